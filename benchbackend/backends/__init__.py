@@ -1,0 +1,101 @@
+"""Backend registry: what exists, how to tell if it is installed, how to start it.
+
+Nothing here imports an ML framework: availability comes from ``importlib.util.find_spec`` (or,
+for backends in their own environment, from that environment), versions from package metadata.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from ..errors import BackendUnavailable
+
+
+def _tf_env(device: str) -> dict[str, str]:
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = "-1"  # hide GPUs so TensorFlow places nothing there
+    return env
+
+
+def _torch_env(device: str) -> dict[str, str]:
+    return {}
+
+
+def _plaidml_env(device: str) -> dict[str, str]:
+    # Configure PlaidML without plaidml-setup and without touching ~/.plaidml: experimental
+    # devices (llvm_cpu) are enabled; the adapter picks the device id itself.
+    return {"PLAIDML_EXPERIMENTAL": "1", "KERAS_BACKEND": "plaidml.keras.backend"}
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    module: str                 # adapter module under benchbackend.backends
+    class_name: str
+    import_name: str            # top-level package find_spec looks for
+    dist_name: str              # distribution for the version (importlib.metadata)
+    install: str                # the command that installs it
+    description: str
+    env: Callable[[str], dict[str, str]] = field(default=lambda device: {})
+    #: None: runs in the current interpreter; else the name of an isolated env (``benchbackend setup NAME``).
+    isolated_env: Optional[str] = None
+    devices: tuple[str, ...] = ("cpu", "gpu")
+
+    def load_class(self):
+        mod = importlib.import_module(f"benchbackend.backends.{self.module}")
+        return getattr(mod, self.class_name)
+
+
+BACKENDS: dict[str, BackendSpec] = {
+    spec.name: spec
+    for spec in [
+        BackendSpec("numpy", "reference", "NumpyBackend", "numpy", "numpy", "pip install numpy",
+                    "NumPy reference (ground truth; CuPy on --device gpu)"),
+        BackendSpec("torch", "torch", "TorchBackend", "torch", "torch",
+                    "pip install 'benchbackend[torch]' torch==2.13.0", "PyTorch (CPU, CUDA)", _torch_env),
+        BackendSpec("tensorflow", "tensorflow", "TensorFlowBackend", "tensorflow", "tensorflow-cpu",
+                    "pip install 'benchbackend[tensorflow]' (tensorflow on GPU machines)",
+                    "TensorFlow 2 / Keras 3 (CPU, GPU)", _tf_env),
+        BackendSpec("plaidml", "plaidml", "PlaidMLBackend", "plaidml", "plaidml",
+                    "benchbackend setup plaidml", "PlaidML 0.7 + Keras 2.2.4 (OpenCL, LLVM CPU)",
+                    _plaidml_env, isolated_env="plaidml", devices=("cpu", "gpu", "opencl")),
+    ]
+}
+
+
+def get(name: str) -> BackendSpec:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise BackendUnavailable(f"unknown backend '{name}'; choose from {', '.join(BACKENDS)}") from None
+
+
+def installed(spec: BackendSpec) -> bool:
+    """Whether the backend can run here, without importing it."""
+    if spec.isolated_env:
+        from .. import envs
+
+        return envs.is_ready(spec.isolated_env)
+    return importlib.util.find_spec(spec.import_name) is not None
+
+
+def version(spec: BackendSpec) -> str:
+    if spec.isolated_env:
+        from .. import envs
+
+        return envs.package_version(spec.isolated_env, spec.dist_name) or ""
+    for dist in (spec.dist_name, spec.import_name):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def require(spec: BackendSpec) -> None:
+    if not installed(spec):
+        raise BackendUnavailable(f"backend '{spec.name}' is not installed: {spec.install}")

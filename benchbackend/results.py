@@ -1,0 +1,200 @@
+"""The results CSV: a versioned long-format schema, an appending writer, a validating reader.
+
+One row per measurement. ``schema_version`` is bumped on any incompatible change; the reader
+refuses newer versions with a clear message and reads older ones.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import platform
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from .errors import ResultsError
+
+SCHEMA_VERSION = 1
+
+#: Fixed columns, in this order; see README "CSV columns".
+BASE_COLUMNS = [
+    "schema_version", "run_id", "timestamp", "workload", "workload_hash", "backend", "backend_version",
+    "device", "mode", "repeat", "phase", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy",
+    "val_loss", "val_accuracy", "status", "message", "host", "os", "python", "cpu", "gpu",
+]
+#: Added columns (schema 1): parity errors, model size, memory.
+EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
+                 "peak_rss_mb", "steps"]
+COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
+REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
+PHASES = ("build", "parity", "train_epoch", "inference", "run")
+#: Cell statuses, best first; "worst" is the highest index.
+STATUSES = ("ok", "parity_mismatch", "chance_accuracy", "nan_loss", "unavailable", "timeout", "crashed")
+NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy", "val_loss",
+           "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
+           "peak_rss_mb", "steps"]
+
+
+def worst_status(statuses: Iterable[str]) -> str:
+    rank = {s: i for i, s in enumerate(STATUSES)}
+    return max(statuses, key=lambda s: rank.get(s, len(STATUSES)), default="ok")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict[str, str]:
+    """Fingerprint of the parent's environment (the worker adds python and gpu)."""
+    return {"host": socket.gethostname(), "os": platform.platform(terse=True),
+            "python": platform.python_version(), "cpu": f"{_cpu_name()} x{os.cpu_count()}"}
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    return str(value)
+
+
+class CsvWriter:
+    """Appends rows as they arrive (flushed each time), so nothing measured is lost.
+
+    ``set_status`` rewrites the file atomically when a cell's final verdict is known.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.rows: list[dict[str, Any]] = []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w", newline="") as fh:
+            csv.writer(fh).writerow(COLUMNS)
+
+    def write(self, row: dict[str, Any]) -> None:
+        full = {c: row.get(c) for c in COLUMNS}
+        full["schema_version"] = SCHEMA_VERSION
+        self.rows.append(full)
+        with open(self.path, "a", newline="") as fh:
+            csv.writer(fh).writerow([_cell(full[c]) for c in COLUMNS])
+            fh.flush()
+
+    def set_status(self, match: dict[str, Any], status: str) -> None:
+        """Give every row matching ``match`` (e.g. one cell) the cell's final status."""
+        changed = False
+        for row in self.rows:
+            if all(row.get(k) == v for k, v in match.items()) and row["status"] != status:
+                row["status"] = status
+                changed = True
+        if changed:
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-", suffix=".csv")
+        with os.fdopen(fd, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(COLUMNS)
+            for row in self.rows:
+                w.writerow([_cell(row[c]) for c in COLUMNS])
+        os.replace(tmp, self.path)
+
+
+def read(path: str | Path) -> "Any":
+    """Read and validate one results CSV into a pandas DataFrame.
+
+    Raises :class:`ResultsError` naming the file and the problem: missing, empty, not a CSV,
+    missing columns, a newer schema, a truncated last row or non-numeric values.
+    """
+    import pandas as pd
+
+    p = Path(path)
+    if not p.is_file():
+        raise ResultsError(f"{p}: no such file")
+    try:
+        with open(p, newline="") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{p}: cannot read as text ({exc})") from None
+    if not text.strip():
+        raise ResultsError(f"{p}: empty file, not a benchbackend results CSV")
+    lines = list(csv.reader(text.splitlines()))
+    header = lines[0]
+    missing = [c for c in REQUIRED if c not in header]
+    if missing:
+        raise ResultsError(f"{p}: not a benchbackend results CSV (missing columns: {', '.join(missing)})")
+    for lineno, fields in enumerate(lines[1:], start=2):
+        if len(fields) != len(header):
+            what = "truncated" if lineno == len(lines) else "malformed"
+            raise ResultsError(f"{p}: line {lineno} is {what} ({len(fields)} fields, expected {len(header)})")
+    if not text.endswith("\n") and len(lines) > 1:
+        raise ResultsError(f"{p}: truncated (the last line has no line end)")
+    df = pd.read_csv(p, dtype=str, keep_default_na=False)
+    versions = set(df["schema_version"])
+    for v in versions:
+        if not v.isdigit():
+            raise ResultsError(f"{p}: bad schema_version {v!r}")
+        if int(v) > SCHEMA_VERSION:
+            raise ResultsError(f"{p}: schema_version {v} is newer than this benchbackend reads "
+                               f"({SCHEMA_VERSION}); upgrade benchbackend")
+    for col in COLUMNS:
+        if col not in df.columns:
+            df[col] = ""
+    for col in NUMERIC:
+        converted = pd.to_numeric(df[col].replace("", None), errors="coerce")
+        bad = df[col].ne("") & converted.isna() & ~df[col].str.lower().isin(["nan"])
+        if bad.any():
+            i = int(bad.idxmax())
+            raise ResultsError(f"{p}: line {i + 2}: column {col} is not a number: {df[col][i]!r}")
+        df[col] = converted
+    df["source"] = str(p)
+    return df
+
+
+def read_many(paths: Iterable[str | Path], skip_bad: bool = False) -> tuple["Any", list[str]]:
+    """Read files and directories (``*.csv`` inside). Returns (frame, skipped-file messages)."""
+    import pandas as pd
+
+    files: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(p.glob("*.csv"))
+            if not found:
+                raise ResultsError(f"{p}: directory holds no .csv files")
+            files += found
+        else:
+            files.append(p)
+    if not files:
+        raise ResultsError("no results files given")
+    frames, skipped = [], []
+    for f in files:
+        try:
+            frames.append(read(f))
+        except ResultsError as exc:
+            if not skip_bad:
+                raise
+            skipped.append(str(exc))
+    if not frames:
+        raise ResultsError("no readable results files: " + "; ".join(skipped))
+    return pd.concat(frames, ignore_index=True), skipped
+
+
+def default_path(workloads: list[str], when: Optional[str] = None, folder: str | Path = "results") -> Path:
+    import time
+
+    stamp = when or time.strftime("%Y%m%d-%H%M%S")
+    names = "-".join(Path(w).stem for w in workloads)[:80]
+    return Path(folder) / f"{stamp}-{names}.csv"

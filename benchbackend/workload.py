@@ -1,0 +1,292 @@
+"""YAML workload -> typed, validated :class:`Workload`.
+
+A workload is named by its file in ``workloads/`` (``mnist`` -> ``workloads/mnist.yaml``) or
+given as a path. Unknown keys and unknown layer types are rejected; every error names the
+file, the YAML path, the allowed values and the value given.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import WorkloadError
+
+Activation = Literal["none", "relu", "softmax", "tanh", "sigmoid"]
+DATASETS: dict[str, dict[str, Any]] = {
+    "mnist": {"input_shape": (28, 28, 1), "num_classes": 10, "train_pool": 60000, "test_pool": 10000},
+    "cifar10": {"input_shape": (32, 32, 3), "num_classes": 10, "train_pool": 50000, "test_pool": 10000},
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Conv2D(_Strict):
+    type: Literal["conv2d"]
+    filters: int = Field(gt=0)
+    kernel_size: int = Field(gt=0)
+    stride: int = Field(default=1, gt=0)
+    padding: Literal["same", "valid"] = "same"
+    activation: Activation = "none"
+
+
+class MaxPool2D(_Strict):
+    type: Literal["maxpool2d"]
+    pool_size: int = Field(default=2, gt=0)
+    stride: Optional[int] = Field(default=None, gt=0)
+
+
+class Dropout(_Strict):
+    type: Literal["dropout"]
+    rate: float = Field(ge=0.0, lt=1.0)
+
+
+class Flatten(_Strict):
+    type: Literal["flatten"]
+
+
+class Dense(_Strict):
+    type: Literal["dense"]
+    units: int = Field(gt=0)
+    activation: Activation = "none"
+
+
+class ActivationLayer(_Strict):
+    type: Literal["activation"]
+    function: Activation
+
+
+Layer = Annotated[
+    Union[Conv2D, MaxPool2D, Dropout, Flatten, Dense, ActivationLayer], Field(discriminator="type")
+]
+LAYER_TYPES = ("conv2d", "maxpool2d", "dropout", "flatten", "dense", "activation")
+
+
+class DataSpec(_Strict):
+    dataset: Literal["mnist", "cifar10"]
+    train: int = Field(gt=0, description="training samples taken from the training pool")
+    validation: int = Field(ge=0, description="held out from the training pool, after the train part")
+    test: int = Field(gt=0, description="test samples, used for inference timing")
+
+    @model_validator(mode="after")
+    def _fits_pool(self) -> "DataSpec":
+        info = DATASETS[self.dataset]
+        if self.train + self.validation > info["train_pool"]:
+            raise ValueError(
+                f"train + validation = {self.train + self.validation} exceeds the "
+                f"{info['train_pool']} training images of {self.dataset}"
+            )
+        if self.test > info["test_pool"]:
+            raise ValueError(f"test = {self.test} exceeds the {info['test_pool']} test images of {self.dataset}")
+        return self
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return tuple(DATASETS[self.dataset]["input_shape"])  # type: ignore[return-value]
+
+    @property
+    def num_classes(self) -> int:
+        return int(DATASETS[self.dataset]["num_classes"])
+
+
+class TrainingSpec(_Strict):
+    optimizer: Literal["sgd", "adam", "rmsprop"]
+    lr: float = Field(gt=0.0)
+    momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
+    loss: Literal["categorical_crossentropy"] = "categorical_crossentropy"
+    batch_size: int = Field(gt=0)
+    epochs: int = Field(gt=0)
+
+
+class InferenceSpec(_Strict):
+    batch_size: int = Field(default=128, gt=0)
+    repeats: int = Field(default=5, gt=0)
+
+
+class ChecksSpec(_Strict):
+    chance_alpha: float = Field(default=0.01, gt=0.0, lt=1.0,
+                                description="one-sided binomial test level against 1/num_classes")
+    chance_margin: Optional[float] = Field(default=None, ge=0.0, lt=1.0,
+                                           description="if set: accuracy must exceed 1/num_classes + margin")
+    parity_rtol: float = Field(default=1e-4, gt=0.0)
+    parity_atol: float = Field(default=1e-5, ge=0.0)
+    parity_batch: int = Field(default=8, gt=0)
+
+
+class Workload(_Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    seed: int = 0
+    data: DataSpec
+    model: list[Layer] = Field(min_length=1)
+    training: TrainingSpec
+    inference: InferenceSpec = InferenceSpec()
+    checks: ChecksSpec = ChecksSpec()
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return self.data.input_shape
+
+    @property
+    def num_classes(self) -> int:
+        return self.data.num_classes
+
+    def hash(self) -> str:
+        """Short content hash of everything that changes what is measured (not the description)."""
+        payload = self.model_dump(mode="json", exclude={"description"})
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def with_overrides(self, *, epochs: Optional[int] = None, limit: Optional[int] = None,
+                       seed: Optional[int] = None) -> "Workload":
+        """A copy with command-line overrides applied.
+
+        ``limit`` caps the training samples; validation and test shrink in proportion
+        (never below 64 or the full size if smaller), so a smoke run stays a smoke run.
+        """
+        upd: dict[str, Any] = {}
+        if epochs is not None:
+            upd["training"] = self.training.model_copy(update={"epochs": epochs})
+        if seed is not None:
+            upd["seed"] = seed
+        if limit is not None and limit < self.data.train:
+            frac = limit / self.data.train
+            shrink = lambda n: min(n, max(64, round(n * frac)))  # noqa: E731
+            upd["data"] = self.data.model_copy(update={
+                "train": limit, "validation": shrink(self.data.validation) if self.data.validation else 0,
+                "test": shrink(self.data.test)})
+        return self.model_copy(update=upd)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def workload_dirs() -> list[Path]:
+    """Where named workloads are looked up, in order."""
+    dirs = []
+    env = os.environ.get("BENCHBACKEND_WORKLOADS")
+    if env:
+        dirs.append(Path(env))
+    dirs.append(Path.cwd() / "workloads")
+    dirs.append(Path(__file__).resolve().parent.parent / "workloads")
+    seen, out = set(), []
+    for d in dirs:
+        key = str(d.resolve()) if d.exists() else str(d)
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+def available() -> dict[str, Path]:
+    """Named workloads: name -> file (first directory wins)."""
+    found: dict[str, Path] = {}
+    for d in workload_dirs():
+        if d.is_dir():
+            for f in sorted(d.glob("*.yaml")):
+                found.setdefault(f.stem, f)
+    return found
+
+
+def resolve(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or os.sep in name_or_path or "/" in name_or_path:
+        if not p.is_file():
+            raise WorkloadError(f"{name_or_path}: workload file not found")
+        return p
+    named = available()
+    if name_or_path not in named:
+        names = ", ".join(sorted(named)) or "(none found)"
+        raise WorkloadError(f"unknown workload '{name_or_path}'; available: {names} (or give a path to a .yaml file)")
+    return named[name_or_path]
+
+
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif item in LAYER_TYPES and parts and parts[-1].endswith("]"):
+            continue  # pydantic adds the union tag to the path; the index already says where
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or "(top level)"
+
+
+def _allowed_keys(cls: type[BaseModel], loc: tuple[Any, ...], raw: Any) -> list[str]:
+    """Field names of the model that sits at ``loc`` (for 'unknown key' errors)."""
+    model: Any = cls
+    node = raw
+    for item in loc[:-1]:
+        if isinstance(item, int):
+            node = node[item] if isinstance(node, list) and item < len(node) else {}
+            continue
+        if model is Workload and item == "model":
+            continue
+        if item in LAYER_TYPES:
+            model = {"conv2d": Conv2D, "maxpool2d": MaxPool2D, "dropout": Dropout, "flatten": Flatten,
+                     "dense": Dense, "activation": ActivationLayer}[item]
+            continue
+        field = getattr(model, "model_fields", {}).get(item)
+        if field is None:
+            return []
+        model = field.annotation
+        node = node.get(item, {}) if isinstance(node, dict) else {}
+    return list(getattr(model, "model_fields", {}).keys())
+
+
+def _explain(err: ValidationError, raw: Any) -> str:
+    e = err.errors()[0]
+    loc = tuple(e["loc"])
+    path = _fmt_loc(loc)
+    if e["type"] == "extra_forbidden":
+        allowed = _allowed_keys(Workload, loc, raw)
+        parent = _fmt_loc(loc[:-1])
+        where = f" in `{parent}`" if loc[:-1] else ""
+        return f"unknown key `{loc[-1]}`{where}; allowed: {', '.join(allowed)}"
+    if e["type"] == "union_tag_invalid":
+        return (f"`{path}.type` must be one of {', '.join(LAYER_TYPES)}; "
+                f"got {e.get('ctx', {}).get('tag', e.get('input'))!r}")
+    if e["type"] == "literal_error":
+        expected = e.get("ctx", {}).get("expected", "")
+        return f"`{path}` must be one of {expected.replace(' or ', ', ')}; got {e.get('input')!r}"
+    if e["type"] == "missing":
+        return f"`{path}` is required"
+    msg = e["msg"].removeprefix("Value error, ")
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    if e["type"] == "value_error" and not loc:
+        return f"{msg}{more}"
+    return f"`{path}`: {msg}; got {e.get('input')!r}{more}"
+
+
+def parse(raw: Any, source: str = "<workload>") -> Workload:
+    if not isinstance(raw, dict):
+        raise WorkloadError(f"{source}: a workload must be a YAML mapping, got {type(raw).__name__}")
+    try:
+        return Workload.model_validate(raw)
+    except ValidationError as err:
+        raise WorkloadError(f"{source}: {_explain(err, raw)}") from None
+
+
+def load(name_or_path: str) -> Workload:
+    """Load and validate a workload by name (``workloads/<name>.yaml``) or path."""
+    path = resolve(name_or_path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise WorkloadError(f"{path}:{where}: malformed YAML: {problem}") from None
+    return parse(raw, str(path))
