@@ -130,6 +130,14 @@ class Workload(_Strict):
     inference: InferenceSpec = InferenceSpec()
     checks: ChecksSpec = ChecksSpec()
 
+    @model_validator(mode="after")
+    def _ends_in_softmax(self) -> "Workload":
+        last = self.model[-1]
+        if getattr(last, "activation", getattr(last, "function", "none")) != "softmax":
+            raise ValueError("`model`: the last layer must end in softmax "
+                             "(categorical_crossentropy takes class probabilities)")
+        return self
+
     @property
     def input_shape(self) -> tuple[int, int, int]:
         return self.data.input_shape

@@ -1,0 +1,175 @@
+"""TensorFlow adapter: a Keras 3 model trained by a compiled ``tf.function`` step over in-memory tensors."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+import keras
+
+from ..errors import BackendUnavailable
+from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from .base import Backend
+
+_EVAL_BATCH = 1024
+
+
+def _act(name: str) -> str | None:
+    return None if name == "none" else name
+
+
+class TensorFlowBackend(Backend):
+    name = "tensorflow"
+    mode = "tf.function"
+
+    def __init__(self, workload: Workload, device: str):
+        super().__init__(workload, device)
+        if device == "cpu":
+            self.device = "/CPU:0"
+        elif device in ("gpu", "cuda") or device.startswith("/GPU:"):
+            gpus = tf.config.list_physical_devices("GPU")
+            if not gpus:
+                raise BackendUnavailable("tensorflow sees no GPU (tf.config.list_physical_devices('GPU') is empty); "
+                                         "use --device cpu, or install `tensorflow[and-cuda]` on a CUDA machine")
+            self.device = "/GPU:0" if device in ("gpu", "cuda") else device
+        else:
+            raise BackendUnavailable(f"tensorflow: unknown device '{device}'; use cpu or gpu")
+
+    @classmethod
+    def probe(cls) -> dict:
+        devices = [d.name.replace("/physical_device:", "") for d in tf.config.list_physical_devices()]
+        return {"version": tf.__version__, "devices": devices}
+
+    def version(self) -> str:
+        return tf.__version__
+
+    def device_id(self) -> str:
+        return self.device.strip("/").lower()
+
+    def gpu_name(self) -> str:
+        if not self.device.startswith("/GPU"):
+            return ""
+        gpus = tf.config.list_physical_devices("GPU")
+        return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu") if gpus else ""
+
+    # --- model ------------------------------------------------------------------------------
+    def _model(self, dropout: bool = True) -> keras.Model:
+        L = keras.layers
+        layers: list[keras.layers.Layer] = [keras.Input(shape=self.workload.input_shape)]
+        for layer in self.workload.model:
+            if isinstance(layer, Conv2D):
+                layers.append(L.Conv2D(layer.filters, layer.kernel_size, strides=layer.stride,
+                                       padding=layer.padding, activation=_act(layer.activation)))
+            elif isinstance(layer, MaxPool2D):
+                layers.append(L.MaxPooling2D(layer.pool_size, strides=layer.stride or layer.pool_size))
+            elif isinstance(layer, Dropout):
+                if dropout:
+                    layers.append(L.Dropout(layer.rate, seed=self.workload.seed))
+            elif isinstance(layer, Flatten):
+                layers.append(L.Flatten())
+            elif isinstance(layer, Dense):
+                layers.append(L.Dense(layer.units, activation=_act(layer.activation)))
+            elif isinstance(layer, ActivationLayer):
+                layers.append(L.Activation(_act(layer.function) or "linear"))
+        return keras.Sequential(layers)
+
+    def _optimizer(self) -> keras.optimizers.Optimizer:
+        t = self.workload.training
+        if t.optimizer == "sgd":
+            return keras.optimizers.SGD(learning_rate=t.lr, momentum=t.momentum)
+        if t.optimizer == "adam":
+            return keras.optimizers.Adam(learning_rate=t.lr)
+        return keras.optimizers.RMSprop(learning_rate=t.lr)
+
+    def build(self, weights: Sequence[np.ndarray]) -> int:
+        with tf.device(self.device):
+            self.model = self._model()
+            self.model.set_weights(list(weights))  # Keras' own layout is the canonical one
+            self.opt = self._optimizer()
+            self.opt.build(self.model.trainable_variables)
+            self.loss_fn = keras.losses.CategoricalCrossentropy()
+            self.loss_sum = tf.Variable(0.0, dtype=tf.float32, trainable=False)
+            self.correct = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._compile_steps()
+        return int(sum(int(np.prod(v.shape)) for v in self.model.weights))
+
+    def _compile_steps(self) -> None:
+        h, w, c = self.workload.input_shape
+        nc = self.workload.num_classes
+        model, opt, loss_fn = self.model, self.opt, self.loss_fn
+        x_spec = tf.TensorSpec([None, h, w, c], tf.float32)
+        y_spec = tf.TensorSpec([None], tf.int64)
+        idx_spec = tf.TensorSpec([None], tf.int64)
+
+        @tf.function(input_signature=[x_spec, y_spec, idx_spec])
+        def train_step(x_all, y_all, idx):
+            x, y = tf.gather(x_all, idx), tf.gather(y_all, idx)
+            with tf.GradientTape() as tape:
+                probs = model(x, training=True)
+                loss = loss_fn(tf.one_hot(y, nc), probs)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            self.loss_sum.assign_add(loss * tf.cast(tf.shape(idx)[0], tf.float32))
+            self.correct.assign_add(tf.reduce_sum(tf.cast(tf.argmax(probs, 1) == y, tf.int64)))
+
+        @tf.function(input_signature=[x_spec])
+        def predict_step(x):
+            return model(x, training=False)
+
+        self._train_step, self._predict_step = train_step, predict_step
+
+    def get_weights(self) -> list[np.ndarray]:
+        return [np.asarray(w) for w in self.model.get_weights()]
+
+    # --- data -------------------------------------------------------------------------------
+    def set_data(self, x_train, y_train, x_val, y_val, x_test, y_test) -> None:
+        with tf.device(self.device):
+            self.x = {k: tf.constant(v, tf.float32) for k, v in (("train", x_train), ("val", x_val), ("test", x_test))}
+            self.y = {k: tf.constant(v, tf.int64) for k, v in (("train", y_train), ("val", y_val), ("test", y_test))}
+
+    # --- run --------------------------------------------------------------------------------
+    def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
+        self.loss_sum.assign(0.0)
+        self.correct.assign(0)
+        bs = self.workload.training.batch_size
+        x, y = self.x["train"], self.y["train"]
+        with tf.device(self.device):
+            idx_all = tf.constant(order, tf.int64)
+            for start in range(0, len(order), bs):
+                self._train_step(x, y, idx_all[start:start + bs])
+        n = len(order)
+        return float(self.loss_sum.numpy()) / n, float(self.correct.numpy()) / n  # host fetch: the sync
+
+    def _probs(self, x: tf.Tensor, batch: int) -> np.ndarray:
+        n = int(x.shape[0])
+        if n == 0:
+            return np.zeros((0, self.workload.num_classes), np.float32)
+        with tf.device(self.device):
+            outs = [self._predict_step(x[s:s + batch]) for s in range(0, n, batch)]
+            return tf.concat(outs, 0).numpy()
+
+    def evaluate(self, split: str) -> tuple[float, float]:
+        probs = self._probs(self.x[split], _EVAL_BATCH)
+        y = self.y[split].numpy()
+        nc = self.workload.num_classes
+        loss = float(self.loss_fn(tf.one_hot(y, nc), probs).numpy())
+        return loss, float(np.mean(np.argmax(probs, 1) == y))
+
+    def predict(self) -> np.ndarray:
+        return self._probs(self.x["test"], self.workload.inference.batch_size)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return self._probs(tf.constant(x, tf.float32), _EVAL_BATCH).astype(np.float64)
+
+    def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        nc = self.workload.num_classes
+        losses = []
+        for xb, yb in batches:
+            with tf.device(self.device), tf.GradientTape() as tape:
+                probs = self.model(tf.constant(xb, tf.float32), training=False)  # dropout off
+                loss = self.loss_fn(tf.one_hot(yb, nc), probs)
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
+            losses.append(float(loss.numpy()))
+        return losses

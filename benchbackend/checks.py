@@ -1,0 +1,101 @@
+"""Correctness checks: NaN/inf loss, chance-level accuracy, parity against the reference.
+
+Pure functions of measured numbers; the runner applies them to a cell's rows and sets the
+cell's status. NumPy only (SciPy is imported inside ``chance_pvalue``), so the worker can use
+``finite`` and ``parity_errors`` from any backend's environment.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+
+def finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def nan_loss(losses: Sequence[Optional[float]]) -> Optional[str]:
+    """A message when any training loss is NaN or infinite, else None."""
+    for i, loss in enumerate(losses, start=1):
+        if loss is None:
+            continue
+        if not math.isfinite(loss):
+            return f"training loss is {loss} at epoch {i}"
+    return None
+
+
+def chance_pvalue(accuracy: float, n: int, num_classes: int) -> float:
+    """One-sided binomial test p-value of ``accuracy`` on ``n`` samples against 1/num_classes."""
+    from scipy.stats import binomtest
+
+    k = int(round(accuracy * n))
+    return float(binomtest(k, n, 1.0 / num_classes, alternative="greater").pvalue)
+
+
+def chance_accuracy(accuracy: Optional[float], n: int, num_classes: int, alpha: float,
+                    margin: Optional[float] = None) -> Optional[str]:
+    """A message when ``accuracy`` is not clearly above chance, else None.
+
+    With ``margin`` set the rule is ``accuracy > 1/num_classes + margin``; otherwise a one-sided
+    binomial test at level ``alpha``.
+    """
+    chance = 1.0 / num_classes
+    if accuracy is None or not math.isfinite(accuracy) or n <= 0:
+        return f"no final validation accuracy to check (chance is {chance:.3f})"
+    if margin is not None:
+        if accuracy <= chance + margin:
+            return f"validation accuracy {accuracy:.4f} is not above chance {chance:.3f} + margin {margin}"
+        return None
+    p = chance_pvalue(accuracy, n, num_classes)
+    if p >= alpha:
+        return (f"validation accuracy {accuracy:.4f} on {n} samples is not significantly above chance "
+                f"{chance:.3f} (binomial p={p:.3g} >= {alpha})")
+    return None
+
+
+def parity_errors(out: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(max absolute error, max error relative to the reference's largest magnitude)."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if out.shape != ref.shape:
+        return float("inf"), float("inf")
+    if not (np.all(np.isfinite(out)) and np.all(np.isfinite(ref))):
+        return float("inf"), float("inf")
+    abs_err = float(np.max(np.abs(out - ref))) if out.size else 0.0
+    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    return abs_err, abs_err / max(scale, 1e-30)
+
+
+def parity_mismatch(max_abs: float, max_rel: float, rtol: float, atol: float) -> Optional[str]:
+    """A message when the errors exceed the workload's tolerance (either bound passing is enough)."""
+    if max_rel <= rtol or max_abs <= atol:
+        return None
+    return f"forward output differs from the NumPy reference: max abs {max_abs:.3g}, max rel {max_rel:.3g} > rtol {rtol:g}"
+
+
+def cell_status(rows: Sequence[dict[str, Any]], workload: Any) -> tuple[str, str]:
+    """Final (status, message) of one cell from its worker rows (runner-level statuses aside)."""
+    epochs = [r for r in rows if r.get("phase") == "train_epoch"]
+    msg = nan_loss([r.get("loss") for r in epochs])
+    if msg:
+        return "nan_loss", msg
+    for r in rows:
+        if r.get("phase") != "parity":
+            continue
+        if r.get("parity_step") is not None:  # trajectory check: first diverging step
+            return "parity_mismatch", r.get("message") or f"training diverges from the reference at step {r['parity_step']}"
+        if r.get("parity_max_abs") is not None:
+            msg = parity_mismatch(r["parity_max_abs"], r["parity_max_rel"], workload.checks.parity_rtol,
+                                  workload.checks.parity_atol)
+            if msg:
+                return "parity_mismatch", msg
+    if epochs:
+        last = epochs[-1]
+        n_val = int(last.get("val_samples") or 0)
+        msg = chance_accuracy(last.get("val_accuracy"), n_val, workload.num_classes,
+                              workload.checks.chance_alpha, workload.checks.chance_margin)
+        if msg:
+            return "chance_accuracy", msg
+    return "ok", ""

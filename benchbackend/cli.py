@@ -1,0 +1,205 @@
+"""Command line: parse, call the library, map its errors to exit codes.
+
+Exit codes: 0 success; 1 a check failed (or a cell crashed, timed out, was unavailable);
+2 usage or configuration error; 3 ``compare --fail-on-regression`` triggered; 130 Ctrl-C.
+No ML framework is imported here.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from .errors import BackendUnavailable, BenchError, DataError, EnvError, ResultsError, WorkloadError
+
+BACKEND_NAMES = ("numpy", "torch", "tensorflow", "plaidml")
+DEFAULT_BACKENDS = ("torch", "tensorflow")
+
+
+class UsageFailure(click.UsageError):
+    """A usage/configuration error printed as one line (exit 2)."""
+
+    def show(self, file=None) -> None:  # no usage banner: the message says what and where
+        click.echo(f"Error: {self.format_message()}", err=True)
+
+
+def _err(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="benchbackend")
+def main() -> None:
+    """Benchmark ML backends on the same network: timed, and checked for correctness.
+
+    Every backend builds the same network from one YAML spec, starts from the same weights and
+    sees the same batches. Each repeat runs in a fresh process; NaN losses, chance-level accuracy
+    and disagreement with a NumPy reference fail the run.
+    """
+
+
+@main.command()
+@click.argument("workloads", nargs=-1, required=True, metavar="WORKLOAD...")
+@click.option("-b", "--backend", "backends_", multiple=True, type=click.Choice(BACKEND_NAMES),
+              help="Backend to run (repeatable). Default: torch and tensorflow.")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, gpu, or a backend's own device id (e.g. a PlaidML device).")
+@click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(1),
+              help="Repeats per workload and backend, each in a fresh process.")
+@click.option("--epochs", type=click.IntRange(1), help="Override the workload's epochs.")
+@click.option("--limit", type=click.IntRange(1), help="Cap training samples (validation/test shrink in proportion).")
+@click.option("--seed", type=int, help="Override the workload's seed (weights, data, order).")
+@click.option("--data", "data_source", type=click.Choice(["auto", "real", "synthetic"]), default="auto",
+              show_default=True, help="real: the canonical files (downloaded if missing); synthetic: "
+                                      "generated, learnable, offline; auto: real if present.")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), envvar="BENCHBACKEND_DATA",
+              help="Where data files live [env: BENCHBACKEND_DATA; default: ~/.cache/benchbackend/data].")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per worker before it is killed.")
+@click.option("--parity-steps", default=0, type=click.IntRange(0), show_default=True,
+              help="Also compare the first K training steps' losses with the reference (dropout off).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="CSV to write. Default: results/<timestamp>-<workloads>.csv")
+@click.option("--plots/--no-plots", default=True, show_default=True, help="Write plots next to the CSV.")
+def run(workloads: tuple[str, ...], backends_: tuple[str, ...], device: str, repeats: int, epochs: Optional[int],
+        limit: Optional[int], seed: Optional[int], data_source: str, data_dir: Optional[Path],
+        timeout: Optional[float], parity_steps: int, output: Optional[Path], plots: bool) -> None:
+    """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend.
+
+    \b
+    Examples:
+      benchbackend run mnist --backend torch --data synthetic
+      benchbackend run cifar10 mnist -b torch -b tensorflow --repeats 3 --epochs 2 --limit 2000 --data synthetic
+      benchbackend run path/to/my_workload.yaml -b tensorflow
+    """
+    from . import results, runner, workload
+
+    try:
+        loaded = [workload.load(w).with_overrides(epochs=epochs, limit=limit, seed=seed) for w in workloads]
+        from .model import describe
+
+        for w in loaded:
+            try:
+                describe(w)
+            except ValueError as exc:
+                raise WorkloadError(f"{w.name}: {exc}") from None
+        names = list(dict.fromkeys(backends_ or DEFAULT_BACKENDS))
+        runner.check_backends(names)
+    except (WorkloadError, BackendUnavailable) as exc:
+        raise UsageFailure(str(exc)) from None
+    out = output or results.default_path([w.name for w in loaded])
+    plan = runner.RunPlan(workloads=loaded, backends=names, device=device, repeats=repeats, timeout=timeout,
+                          data_source=data_source, data_dir=data_dir, parity_steps=parity_steps, output=out)
+    try:
+        r = runner.Runner(plan, progress=_err)
+    except OSError as exc:
+        raise UsageFailure(f"{out}: cannot write results: {exc.strerror}") from None
+    try:
+        cells = r.run()
+    except KeyboardInterrupt:
+        _err(f"interrupted: {len(r.writer.rows)} rows written to {out}")
+        sys.exit(130)
+    except DataError as exc:
+        _err(f"Error: {exc}")
+        _err(f"{len(r.writer.rows)} rows written to {out}")
+        sys.exit(2)
+    click.echo("\nsummary (steady epoch = median of epochs after the first):")
+    for cell in cells:
+        click.echo("  " + cell.line())
+    if plots and r.writer.rows:
+        _write_run_plots(out)
+    click.echo(f"results: {out}")
+    sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
+
+
+def _write_run_plots(csv_path: Path) -> None:
+    from . import plots, results
+
+    try:
+        df = results.read(csv_path)
+        made = plots.write_report(df, csv_path.with_name(csv_path.stem + "-plots"))
+        if made:
+            click.echo(f"plots: {made[-1].parent}")
+    except Exception as exc:  # plots are a convenience: never lose the run over them
+        _err(f"warning: plots not written: {exc}")
+
+
+@main.command(name="list")
+@click.option("--no-probe", is_flag=True, help="Skip asking each installed backend for its devices (faster).")
+def list_(no_probe: bool) -> None:
+    """Show the workloads and the backends: installed or not, version, devices seen."""
+    from . import inventory
+
+    click.echo(inventory.render(probe_devices=not no_probe))
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, metavar="CSV_OR_DIR...")
+@click.option("--baseline", help="Backend the others are compared with. Default: first alphabetically.")
+@click.option("--candidate", multiple=True, help="Backend(s) checked by --fail-on-regression (repeatable).")
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]), default="table",
+              show_default=True)
+@click.option("--plots", type=click.Path(file_okay=False), help="Write PNG plots and an index.html to this folder.")
+@click.option("--skip-bad", is_flag=True, help="Skip unreadable or invalid files (with a warning) instead of failing.")
+@click.option("--fail-on-regression", type=click.FloatRange(min=1.0), metavar="FACTOR",
+              help="Exit 3 when a --candidate is slower than the baseline by more than FACTOR.")
+def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[str, ...], fmt: str,
+            plots: Optional[str], skip_bad: bool, fail_on_regression: Optional[float]) -> None:
+    """Compare results: which backend is faster, by how much, whether it is significant, and correct.
+
+    \b
+    Examples:
+      benchbackend compare results/*.csv
+      benchbackend compare results/a.csv results/b.csv --baseline tensorflow --format markdown
+      benchbackend compare results/*.csv --plots report/
+    """
+    from . import compare as cmp
+
+    try:
+        outcome = cmp.run_compare(list(paths), baseline=baseline, candidate=candidate, fmt=fmt, plots=plots,
+                                  skip_bad=skip_bad, fail_on_regression=fail_on_regression)
+    except ResultsError as exc:
+        raise UsageFailure(str(exc)) from None
+    click.echo(outcome.text)
+    for warning in outcome.warnings:
+        _err(f"warning: {warning}")
+    sys.exit(outcome.exit_code)
+
+
+@main.command()
+@click.argument("backend", type=click.Choice(["plaidml"]))
+@click.option("--path", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to build the environment [default: ~/.local/share/benchbackend/envs/NAME, "
+                   "or $BENCHBACKEND_ENVS/NAME].")
+@click.option("--check", is_flag=True, help="Report the environment's state without changing anything.")
+def setup(backend: str, path: Optional[Path], check: bool) -> None:
+    """Build (or repair, or reuse) the isolated environment a backend needs.
+
+    PlaidML 0.7 needs Keras 2.2.4 and cannot share an environment with TensorFlow 2, so it runs
+    from its own virtual environment; `run -b plaidml` then uses it automatically.
+    """
+    from . import envs
+
+    try:
+        status = envs.setup(backend, path=path, check=check, log=_err)
+    except EnvError as exc:
+        _err(f"Error: {exc}")
+        sys.exit(1)
+    click.echo(f"{status.name}: {'ready' if status.ready else 'not ready'} at {status.path}")
+    for dist, ver in status.versions.items():
+        click.echo(f"  {dist} {ver}")
+    if status.devices:
+        click.echo(f"  devices: {', '.join(status.devices)}")
+    if status.message:
+        click.echo(f"  {status.message}")
+    sys.exit(0 if status.ready else 1)
+
+
+def entry() -> None:
+    """Console-script entry point: a library error that slipped through is one line, exit 2."""
+    try:
+        main()
+    except BenchError as exc:
+        _err(f"Error: {exc}")
+        sys.exit(2)

@@ -1,0 +1,74 @@
+"""What ``benchbackend list`` shows: workloads, and backends with availability, version and devices.
+
+Devices come from asking each installed backend's worker (``python -m benchbackend.worker --probe``)
+in its own process, in parallel, so this process never imports a framework.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import backends, model, workload
+from .errors import WorkloadError
+
+PROBE_TIMEOUT_S = 120
+
+
+def probe(spec: backends.BackendSpec) -> dict[str, Any]:
+    """``{"version", "devices"}`` from the backend's own interpreter, or ``{"error": ...}``."""
+    from .runner import PACKAGE_PARENT, python_for
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run([python_for(spec), "-m", "benchbackend.worker", "--probe", spec.name],
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": str(exc).splitlines()[0]}
+    for line in proc.stdout.splitlines():
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "devices" in msg:
+            return msg
+        if msg.get("type") in ("error", "unavailable"):
+            return {"error": msg.get("message", "probe failed")}
+    return {"error": (proc.stderr.strip().splitlines() or ["probe failed"])[-1]}
+
+
+def render(probe_devices: bool = True) -> str:
+    lines = ["Workloads:"]
+    for name, path in workload.available().items():
+        try:
+            w = workload.load(str(path))
+            info = (f"{w.data.dataset:<8} {model.param_count(w):>10,} params  "
+                    f"{model.flops_per_sample(w) / 1e6:>8.1f} MFLOPs/sample  {w.training.optimizer} "
+                    f"lr {w.training.lr:g}, batch {w.training.batch_size}, {w.training.epochs} epochs")
+        except (WorkloadError, ValueError) as exc:
+            info = f"INVALID: {exc}"
+        lines.append(f"  {name:<12} {info}")
+    lines += ["", "Backends:"]
+    specs = list(backends.BACKENDS.values())
+    ready = {s.name: backends.installed(s) for s in specs}
+    probes: dict[str, dict[str, Any]] = {}
+    if probe_devices:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futures = {s.name: pool.submit(probe, s) for s in specs if ready[s.name]}
+            probes = {name: f.result() for name, f in futures.items()}
+    for s in specs:
+        if not ready[s.name]:
+            lines.append(f"  {s.name:<11} not installed   install: {s.install}")
+            continue
+        p = probes.get(s.name, {})
+        if "error" in p:
+            devices = f"devices: probe failed: {p['error']}"
+        elif p:
+            devices = "devices: " + ", ".join(p.get("devices", []))
+        else:
+            devices = "devices: (not probed)"
+        lines.append(f"  {s.name:<11} {backends.version(s) or p.get('version', ''):<16} {devices}")
+        lines.append(f"  {'':<11} {s.description}")
+    return "\n".join(lines)
