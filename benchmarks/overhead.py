@@ -1,0 +1,146 @@
+"""Harness overhead: the adapter's steady epoch time against a plain hand-written loop.
+
+For each backend, one process builds the adapter (as the worker does) and a hand-written model
+and loop in the same framework, on the same arrays, the same sample order and the same initial
+weights, then alternates epochs between the two (adapter, plain, adapter, plain, ...) so drift
+hits both alike. Prints the median steady epoch time of each and the ratio (target: within 3%).
+
+    python benchmarks/overhead.py --workload mnist --limit 8192 --epochs 6
+    python benchmarks/overhead.py --workload cifar10 --limit 1024 --epochs 4 --backend torch
+
+This is a figure, not a test: nothing here passes or fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _plain_torch(w, weights, x, y, orders):
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from benchbackend.backends.torch import TorchBackend
+
+    # The same network and weights (a deep copy of a separately built adapter's module), driven
+    # by the loop a user would write: slices of a pre-permuted tensor, no harness around it.
+    ref = TorchBackend(w, "cpu")
+    ref.build(weights)
+    net = copy.deepcopy(ref.net)
+    opt = ref.opt.__class__(net.parameters(), **{k: v for k, v in ref.opt.defaults.items()
+                                                 if k in ("lr", "momentum", "betas", "eps", "alpha")})
+    xt = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+    yt = torch.from_numpy(y)
+    bs = w.training.batch_size
+
+    def epoch(order):
+        xe, ye = xt[torch.from_numpy(order)], yt[torch.from_numpy(order)]
+        for s in range(0, len(order), bs):
+            loss = F.cross_entropy(net(xe[s:s + bs]), ye[s:s + bs])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    return epoch
+
+
+def _plain_tensorflow(w, weights, x, y, orders):
+    import keras
+    import tensorflow as tf
+
+    from benchbackend.backends.tensorflow import TensorFlowBackend
+
+    ref = TensorFlowBackend(w, "cpu")
+    model = ref._model()
+    model.set_weights(list(weights))
+    opt = ref._optimizer()
+    loss_fn = keras.losses.CategoricalCrossentropy()
+    nc = w.num_classes
+    xt, yt = tf.constant(x), tf.constant(y)
+    bs = w.training.batch_size
+
+    @tf.function(reduce_retracing=True)
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(tf.one_hot(yb, nc), model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    def epoch(order):
+        idx = tf.constant(order)
+        xe, ye = tf.gather(xt, idx), tf.gather(yt, idx)
+        for s in range(0, len(order), bs):
+            loss = step(xe[s:s + bs], ye[s:s + bs])
+        return float(loss)
+
+    return epoch
+
+
+def measure(backend: str, workload_name: str, limit: int, epochs: int) -> dict:
+    """Runs inside a fresh process for one backend."""
+    from benchbackend import data, model, workload
+    from benchbackend.backends import get
+    from benchbackend.timing import timed
+
+    spec = get(backend)
+    for k, v in spec.env("cpu").items():
+        os.environ.setdefault(k, v)
+    w = workload.load(workload_name).with_overrides(limit=limit, epochs=epochs)
+    ds = data.load(w, "synthetic")
+    x, xv, xte = (data.normalize(a) for a in (ds.x_train, ds.x_val, ds.x_test))
+    orders = data.epoch_orders(len(ds.y_train), epochs, w.seed)
+    weights = model.initial_weights(w, 1)
+    adapter = spec.load_class()(w, "cpu")
+    adapter.build(weights)
+    adapter.set_data(x, ds.y_train, xv, ds.y_val, xte, ds.y_test)
+    plain = {"torch": _plain_torch, "tensorflow": _plain_tensorflow}[backend](w, weights, x, ds.y_train, orders)
+    times: dict[str, list[float]] = {"adapter": [], "plain": []}
+    for e, order in enumerate(orders):
+        first, second = (("adapter", lambda: adapter.train_epoch(order)), ("plain", lambda: plain(order)))[:: 1 if e % 2 == 0 else -1]
+        for name, fn in (first, second):
+            _, s = timed(fn)
+            times[name].append(s)
+    steady = {k: float(np.median(v[1:])) for k, v in times.items()}  # epoch 1 apart: tracing, warm-up
+    return {"backend": backend, "workload": workload_name, "samples": len(ds.y_train), **steady,
+            "ratio": steady["adapter"] / steady["plain"], "epochs": times}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="mnist")
+    ap.add_argument("--limit", type=int, default=8192)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--backend", action="append", choices=["torch", "tensorflow"])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.workload, args.limit, args.epochs)))
+        return
+    print(f"{'backend':<11} {'workload':<8} {'samples':>7} {'adapter s':>10} {'plain s':>9} {'ratio':>7}")
+    for backend in args.backend or ["torch", "tensorflow"]:
+        out = subprocess.run([sys.executable, __file__, "--child", backend, "--workload", args.workload,
+                              "--limit", str(args.limit), "--epochs", str(args.epochs)],
+                             capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+        if out.returncode != 0:
+            print(f"{backend:<11} failed: {out.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{backend:<11} {r['workload']:<8} {r['samples']:>7} {r['adapter']:>10.4f} {r['plain']:>9.4f} "
+              f"{r['ratio']:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()

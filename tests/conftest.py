@@ -1,0 +1,29 @@
+"""Shared fixtures. Framework tests skip with a reason when the framework is absent."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+requires_torch = pytest.mark.skipif(not have("torch"), reason="PyTorch is not installed (pip install 'benchbackend[torch]' torch==2.13.0)")
+requires_tf = pytest.mark.skipif(not have("tensorflow"), reason="TensorFlow is not installed (pip install 'benchbackend[tensorflow]')")
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: float = 900, env: dict | None = None):
+    """Run the real CLI as a subprocess (python -m benchbackend)."""
+    import subprocess
+
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "benchbackend", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=timeout, env=full_env)

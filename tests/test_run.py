@@ -1,0 +1,163 @@
+"""End-to-end runs through the real CLI and real worker processes (PyTorch and TensorFlow on CPU)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchbackend import results
+from conftest import ROOT, cli, requires_tf, requires_torch
+
+pytestmark = pytest.mark.slow
+
+
+def variant(tmp_path: Path, name: str, **training) -> str:
+    spec = yaml.safe_load((ROOT / "workloads" / "mnist.yaml").read_text())
+    spec["name"] = name
+    spec["training"].update(training)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+@requires_torch
+@requires_tf
+def test_smoke_run_both_backends_ok(tmp_path):
+    out_csv = tmp_path / "smoke.csv"
+    out = cli("run", "mnist", "cifar10", "-b", "torch", "-b", "tensorflow", "--data", "synthetic", "--limit", "512",
+              "--epochs", "2", "--repeats", "2", "-o", str(out_csv))
+    assert out.returncode == 0, out.stderr[-3000:]
+    df = results.read(out_csv)
+    assert list(df.columns[:len(results.BASE_COLUMNS)]) == results.BASE_COLUMNS
+    assert set(df["status"]) == {"ok"}
+    for wl in ("mnist", "cifar10"):
+        for be in ("torch", "tensorflow"):
+            cell = df[(df.workload == wl) & (df.backend == be)]
+            assert sorted(cell["repeat"].unique()) == [1, 2]
+            epochs = cell[cell.phase == "train_epoch"]
+            assert len(epochs) == 4 and (epochs["seconds"] > 0).all()
+            assert (cell[cell.phase == "inference"].shape[0]) == 2 * 5
+            assert (cell[cell.phase == "parity"]["parity_max_rel"] < 1e-4).all()
+            assert cell[cell.phase == "build"]["params"].iloc[0] == (16938 if wl == "mnist" else 2168362)
+            assert cell["backend_version"].iloc[0] != ""
+    assert "summary" in out.stdout and str(out_csv) in out.stdout
+    assert "epoch 2/2" in out.stderr  # per-epoch progress
+    assert (tmp_path / "smoke-plots").is_dir()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=requires_torch),
+                                     pytest.param("tensorflow", marks=requires_tf)])
+def test_absurd_learning_rate_ends_nan_loss(tmp_path, backend):
+    out_csv = tmp_path / "nan.csv"
+    out = cli("run", variant(tmp_path, "mnist_nan", lr=1.0e12), "-b", backend, "--data", "synthetic",
+              "--limit", "512", "--epochs", "3", "--repeats", "1", "-o", str(out_csv), "--no-plots")
+    assert out.returncode == 1, out.stderr[-2000:]
+    df = results.read(out_csv)
+    assert set(df["status"]) == {"nan_loss"}
+    epochs = df[df.phase == "train_epoch"]
+    assert len(epochs) >= 1 and not pytest.approx(0) == epochs["loss"].iloc[-1]
+    assert epochs["loss"].isna().any() or (epochs["loss"].abs() == float("inf")).any()
+    assert "nan_loss" in out.stdout
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=requires_torch),
+                                     pytest.param("tensorflow", marks=requires_tf)])
+def test_model_that_cannot_learn_ends_chance_accuracy(tmp_path, backend):
+    out_csv = tmp_path / "chance.csv"
+    out = cli("run", variant(tmp_path, "mnist_still", lr=1.0e-12), "-b", backend, "--data", "synthetic",
+              "--limit", "1024", "--epochs", "1", "--repeats", "1", "-o", str(out_csv), "--no-plots")
+    assert out.returncode == 1, out.stderr[-2000:]
+    df = results.read(out_csv)
+    assert set(df["status"]) == {"chance_accuracy"}
+    assert "not significantly above chance" in df["message"].iloc[0] or "chance" in out.stdout
+
+
+@requires_torch
+def test_timeout_is_a_row_and_the_run_goes_on(tmp_path):
+    out_csv = tmp_path / "t.csv"
+    out = cli("run", "mnist", "-b", "torch", "-b", "numpy", "--data", "synthetic", "--limit", "256",
+              "--epochs", "1", "--repeats", "1", "--timeout", "0.5", "-o", str(out_csv), "--no-plots")
+    assert out.returncode == 1
+    df = results.read(out_csv)
+    assert set(df[df.phase == "run"]["status"]) == {"timeout"}
+    assert set(df["backend"]) == {"torch", "numpy"}  # the second backend still ran (and timed out too)
+    assert "past --timeout 0.5s" in df[df.phase == "run"]["message"].iloc[0]
+
+
+FAKE_WORKER = """#!/bin/sh
+cat > /dev/null
+echo '{"type": "info", "backend_version": "9.9", "device": "cpu", "mode": "fake", "python": "3"}'
+echo '{"type": "row", "phase": "build", "epoch": 0, "seconds": 0.5, "params": 16938}'
+echo '{"type": "row", "phase": "train_epoch", "epoch": 1, "samples": 64, "seconds": 1.0, "loss": 2.0, "accuracy": 0.2, "val_loss": 2.0, "val_accuracy": 0.2}'
+echo "fatal: simulated segfault in kernel" >&2
+kill -9 $$
+"""
+
+
+def test_crashed_worker_keeps_rows_and_stderr_tail(tmp_path, monkeypatch):
+    from benchbackend import runner, workload
+
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_WORKER)
+    fake.chmod(0o755)
+    monkeypatch.setattr(runner, "python_for", lambda spec: str(fake))
+    w = workload.load("mnist").with_overrides(limit=64, epochs=1)
+    plan = runner.RunPlan(workloads=[w], backends=["numpy"], repeats=2, data_source="synthetic",
+                          output=tmp_path / "c.csv")
+    cells = runner.Runner(plan).run()
+    assert [c.status for c in cells] == ["crashed", "crashed"]
+    df = results.read(tmp_path / "c.csv")
+    assert len(df[df.phase == "train_epoch"]) == 2  # the measured epochs survive the crash
+    msg = df[df.phase == "run"]["message"].iloc[0]
+    assert "exited with code -9" in msg and "simulated segfault" in msg
+    assert set(df["status"]) == {"crashed"}
+
+
+@requires_tf
+def test_ctrl_c_writes_what_was_measured_and_exits_130(tmp_path):
+    out_csv = tmp_path / "int.csv"
+    proc = subprocess.Popen([sys.executable, "-m", "benchbackend", "run", "mnist", "-b", "tensorflow", "--data",
+                             "synthetic", "--limit", "2048", "--epochs", "50", "--repeats", "1", "-o", str(out_csv),
+                             "--no-plots"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if out_csv.exists() and "train_epoch" in out_csv.read_text():
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    df = results.read(out_csv)
+    assert (df.phase == "train_epoch").sum() >= 1
+    assert "interrupted" in err and "Traceback" not in err
+
+
+@requires_torch
+def test_unavailable_backend_gets_a_row_while_others_run(tmp_path):
+    out_csv = tmp_path / "u.csv"
+    out = cli("run", "mnist", "-b", "plaidml", "-b", "torch", "--data", "synthetic", "--limit", "256", "--epochs", "1",
+              "--repeats", "1", "-o", str(out_csv), "--no-plots", env={"BENCHBACKEND_ENVS": str(tmp_path / "none")})
+    assert out.returncode == 1
+    df = results.read(out_csv)
+    assert df[df.backend == "plaidml"]["status"].tolist() == ["unavailable"]
+    assert "benchbackend setup plaidml" in df[df.backend == "plaidml"]["message"].iloc[0]
+    assert set(df[df.backend == "torch"]["status"]) == {"ok"}
+
+
+@requires_torch
+def test_gpu_request_without_gpu_is_unavailable(tmp_path):
+    out_csv = tmp_path / "g.csv"
+    out = cli("run", "mnist", "-b", "torch", "--device", "gpu", "--data", "synthetic", "--limit", "64",
+              "--epochs", "1", "--repeats", "2", "-o", str(out_csv), "--no-plots")
+    if "cuda" in out.stderr and out.returncode == 0:
+        pytest.skip("a CUDA GPU is present here")
+    assert out.returncode == 1
+    df = results.read(out_csv)
+    assert df["status"].tolist() == ["unavailable"]
+    assert "no CUDA GPU" in df["message"].iloc[0]
