@@ -84,9 +84,10 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any) -> tuple[str, str
     for r in rows:
         if r.get("phase") != "parity":
             continue
-        if r.get("parity_step") is not None:  # trajectory check: first diverging step
-            return "parity_mismatch", r.get("message") or f"training diverges from the reference at step {r['parity_step']}"
-        if r.get("parity_max_abs") is not None:
+        if r.get("steps"):  # trajectory check: parity_step is the first diverging step, if any
+            if r.get("parity_step") is not None:
+                return "parity_mismatch", r.get("message") or f"training diverges from the reference at step {r['parity_step']}"
+        elif r.get("parity_max_rel") is not None:
             msg = parity_mismatch(r["parity_max_abs"], r["parity_max_rel"], workload.checks.parity_rtol,
                                   workload.checks.parity_atol)
             if msg:

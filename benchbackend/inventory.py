@@ -6,7 +6,6 @@ in its own process, in parallel, so this process never imports a framework.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,9 +18,9 @@ PROBE_TIMEOUT_S = 120
 
 def probe(spec: backends.BackendSpec) -> dict[str, Any]:
     """``{"version", "devices"}`` from the backend's own interpreter, or ``{"error": ...}``."""
-    from .runner import PACKAGE_PARENT, python_for
+    from .runner import python_for, worker_environ
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
+    env = worker_environ(spec)
     try:
         proc = subprocess.run([python_for(spec), "-m", "benchbackend.worker", "--probe", spec.name],
                               capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env)

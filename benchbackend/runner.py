@@ -74,6 +74,16 @@ def python_for(spec: backends.BackendSpec) -> str:
     return sys.executable
 
 
+def worker_environ(spec: backends.BackendSpec) -> dict[str, str]:
+    """Environment of a worker: an isolated env must not see the main env's packages."""
+    if spec.isolated_env:
+        from . import envs
+
+        return envs.worker_env()
+    path = os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path)
+
+
 def _tail(text: str, lines: int = 6, chars: int = 600) -> str:
     kept = [ln.strip() for ln in text.strip().splitlines() if ln.strip()][-lines:]
     return " | ".join(kept)[-chars:]
@@ -162,8 +172,7 @@ class Runner:
         rows: list[dict[str, Any]] = []
         tag = f"[{w.name}/{spec.name} r{repeat}/{self.plan.repeats}]"
         self.progress(f"{tag} starting worker")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])),
-                   PYTHONUNBUFFERED="1")
+        env = dict(worker_environ(spec), PYTHONUNBUFFERED="1")
         with tempfile.TemporaryFile("w+") as err:
             try:
                 self._proc = subprocess.Popen([python_for(spec), "-m", "benchbackend.worker"], stdin=subprocess.PIPE,

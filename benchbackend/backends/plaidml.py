@@ -1,0 +1,242 @@
+"""PlaidML adapter: Keras 2.2.4 on PlaidML 0.7.0, run from its own env (``benchbackend setup plaidml``).
+
+Devices: ``cpu`` is ``llvm_cpu.0``; ``gpu`` (alias ``opencl``) is the first OpenCL device PlaidML
+lists (it lists GPU-type OpenCL devices only); anything else is an exact PlaidML device id.
+
+PlaidML is configured through environment variables only, never through ``~/.plaidml``:
+``PLAIDML_EXPERIMENTAL=1`` (enables ``llvm_cpu``), ``PLAIDML_DEVICE_IDS`` (set here from the
+device asked for), and ``PLAIDML_SETTINGS`` pointing to a file in this process's temp dir so a
+user's ``~/.plaidml`` is not read. ``PLAIDML_EXPERIMENTAL_CONFIG`` / ``PLAIDML_DEFAULT_CONFIG``
+are honoured when set, which is how an OpenCL platform without a built-in hardware entry is made
+usable. ``KERAS_HOME`` also points to the temp dir: Keras 2.2.4 writes ``keras.json`` there on import.
+
+OpenCL on a CPU (tests only; ``tests/test_plaidml.py`` does all of it): PlaidML 0.7 skips CPU-type
+OpenCL devices and dlopens the unversioned ``libOpenCL.so``. With PoCL installed, build
+``../shared/tools/opencl-cpu-as-gpu/shim.c`` linked against the real loader
+(``gcc -shared -fPIC -o DIR/libOpenCL.so shim.c -ldl -Wl,--no-as-needed -l:libOpenCL.so.1``), and
+run the worker with ``LD_LIBRARY_PATH=DIR`` and ``PLAIDML_EXPERIMENTAL_CONFIG`` (and
+``PLAIDML_DEFAULT_CONFIG``) pointing to a copy of the env's ``share/plaidml/experimental.json``
+with one more ``platform.hardware_configs`` entry selecting
+``{"platform_regex": ".*Portable Computing Language.*"}``. ``--device gpu`` then picks
+``opencl_<vendor>_pthread-<cpu>.0``; ``POCL_CACHE_DIR`` keeps PoCL's kernel cache out of ``~/.cache``.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import collections.abc
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Sequence
+
+import numpy as np
+
+_RUN_DIR = tempfile.mkdtemp(prefix="benchbackend-plaidml-")
+atexit.register(shutil.rmtree, _RUN_DIR, ignore_errors=True)
+os.environ.setdefault("PLAIDML_EXPERIMENTAL", "1")
+if not os.path.isfile(os.environ.get("PLAIDML_SETTINGS", "")):
+    # PlaidML reads this file (falling back to ~/.plaidml) once, when plaidml.settings imports.
+    os.environ["PLAIDML_SETTINGS"] = os.path.join(_RUN_DIR, "plaidml-settings.json")
+    with open(os.environ["PLAIDML_SETTINGS"], "w") as _f:
+        json.dump({}, _f)
+os.environ["KERAS_HOME"] = _RUN_DIR
+
+import plaidml  # noqa: E402  (after the settings above)
+import plaidml.exceptions  # noqa: E402
+
+from ..errors import BackendUnavailable  # noqa: E402
+from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload  # noqa: E402
+from .base import Backend  # noqa: E402
+
+_EVAL_BATCH = 256
+_keras: Any = None
+
+
+def _import_keras() -> Any:
+    """Keras 2.2.4 on the PlaidML backend, imported once (after the device is chosen)."""
+    global _keras
+    if _keras is not None:
+        return _keras
+    # Keras 2.2.4 does `from collections import Iterable`; Python 3.10 removed the ABC aliases
+    # from `collections` (they live in `collections.abc`), so restore the one it needs.
+    if not hasattr(collections, "Iterable"):
+        collections.Iterable = collections.abc.Iterable  # type: ignore[attr-defined]
+    import plaidml.keras
+
+    # Must precede `import keras`: it hooks the import system so `keras.backend` is PlaidML's.
+    plaidml.keras.install_backend()
+    import keras
+    import keras.backend as K
+    from keras.backend import common
+
+    # Pin what a keras.json could change: canonical layout (NHWC) and Keras' defaults.
+    K.set_image_data_format("channels_last")
+    K.set_floatx("float32")
+    common.set_epsilon(1e-7)  # PlaidML's backend module does not re-export set_epsilon
+    _keras = keras
+    return keras
+
+
+def list_devices() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(usable, unsupported) PlaidML devices as (id, description), ignoring PLAIDML_DEVICE_IDS.
+
+    Unsupported: seen but without a matching hardware config entry (PlaidML will not run them).
+    """
+    saved = os.environ.pop("PLAIDML_DEVICE_IDS", None)  # it narrows the listing to the chosen one
+    try:
+        ctx = plaidml.Context()
+        plaidml.quiet()
+        valid, invalid = plaidml.devices(ctx, limit=100, return_all=True)
+    except plaidml.exceptions.PlaidMLError as exc:
+        raise BackendUnavailable(f"plaidml cannot list its devices: {str(exc).splitlines()[0]}") from None
+    finally:
+        if saved is not None:
+            os.environ["PLAIDML_DEVICE_IDS"] = saved
+    as_pairs = lambda devs: [(d.id.decode(), d.description.decode()) for d in devs]  # noqa: E731
+    return as_pairs(valid), as_pairs(invalid)
+
+
+def resolve_device(device: str, usable: list[tuple[str, str]], unsupported: list[tuple[str, str]]) -> str:
+    """The PlaidML device id for ``--device``, or ``BackendUnavailable`` naming what exists."""
+    ids = [i for i, _ in usable]
+    listed = ", ".join(ids) or "none"
+    if unsupported:
+        listed += f" (also seen, without a PlaidML hardware config: {', '.join(i for i, _ in unsupported)})"
+    if device == "cpu":
+        if "llvm_cpu.0" in ids:
+            return "llvm_cpu.0"
+        raise BackendUnavailable(f"plaidml has no llvm_cpu.0 device (is PLAIDML_EXPERIMENTAL=1?); devices: {listed}")
+    if device in ("gpu", "opencl"):
+        gpus = [i for i in ids if i.startswith("opencl")]
+        if gpus:
+            return gpus[0]
+        raise BackendUnavailable(f"plaidml sees no OpenCL GPU (PlaidML 0.7 skips CPU-type OpenCL devices); "
+                                 f"devices: {listed}; use --device cpu or one of these ids")
+    if device in ids:
+        return device
+    raise BackendUnavailable(f"plaidml has no device '{device}'; use cpu, gpu or one of: {listed}")
+
+
+def _act(name: str) -> str:
+    return "linear" if name == "none" else name
+
+
+class PlaidMLBackend(Backend):
+    name = "plaidml"
+    mode = "keras2"
+
+    def __init__(self, workload: Workload, device: str):
+        super().__init__(workload, device)
+        usable, unsupported = list_devices()
+        self.device = resolve_device(device, usable, unsupported)
+        self.description = dict(usable)[self.device]
+        # Keras' PlaidML backend opens the one device PLAIDML_DEVICE_IDS selects, on first use.
+        os.environ["PLAIDML_DEVICE_IDS"] = self.device
+        self.keras = _import_keras()
+
+    @classmethod
+    def probe(cls) -> dict:
+        usable, _ = list_devices()
+        return {"version": plaidml.__version__, "devices": [i for i, _ in usable]}
+
+    def version(self) -> str:
+        return str(plaidml.__version__)
+
+    def device_id(self) -> str:
+        return self.device
+
+    def gpu_name(self) -> str:
+        return "" if self.device.startswith("llvm_cpu") else self.description
+
+    # --- model ------------------------------------------------------------------------------
+    def _model(self, dropout: bool = True) -> Any:
+        L = self.keras.layers
+        layers: list[Any] = [L.InputLayer(input_shape=self.workload.input_shape)]
+        for layer in self.workload.model:
+            if isinstance(layer, Conv2D):
+                layers.append(L.Conv2D(layer.filters, layer.kernel_size, strides=layer.stride,
+                                       padding=layer.padding, activation=_act(layer.activation)))
+            elif isinstance(layer, MaxPool2D):
+                layers.append(L.MaxPooling2D(layer.pool_size, strides=layer.stride or layer.pool_size))
+            elif isinstance(layer, Dropout):
+                if dropout:
+                    layers.append(L.Dropout(layer.rate, seed=self.workload.seed))
+            elif isinstance(layer, Flatten):
+                layers.append(L.Flatten())
+            elif isinstance(layer, Dense):
+                layers.append(L.Dense(layer.units, activation=_act(layer.activation)))
+            elif isinstance(layer, ActivationLayer):
+                layers.append(L.Activation(_act(layer.function)))
+        return self.keras.models.Sequential(layers)
+
+    def _optimizer(self) -> Any:
+        t, opt = self.workload.training, self.keras.optimizers
+        if t.optimizer == "sgd":
+            return opt.SGD(lr=t.lr, momentum=t.momentum)
+        if t.optimizer == "adam":
+            return opt.Adam(lr=t.lr)  # epsilon None -> K.epsilon() = 1e-7, as in Keras 3
+        return opt.RMSprop(lr=t.lr)
+
+    def _compiled(self, dropout: bool, weights: Sequence[np.ndarray]) -> Any:
+        model = self._model(dropout)
+        model.compile(optimizer=self._optimizer(), loss="categorical_crossentropy", metrics=["accuracy"])
+        model.set_weights(list(weights))  # Keras' own layout is the canonical one
+        return model
+
+    def build(self, weights: Sequence[np.ndarray]) -> int:
+        self.model = self._compiled(True, weights)
+        return int(self.model.count_params())
+
+    def get_weights(self) -> list[np.ndarray]:
+        return [np.asarray(w) for w in self.model.get_weights()]
+
+    # --- data -------------------------------------------------------------------------------
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray,
+                 x_test: np.ndarray, y_test: np.ndarray) -> None:
+        eye = np.eye(self.workload.num_classes, dtype=np.float32)
+        self.x = {k: np.ascontiguousarray(v, np.float32) for k, v in (("train", x_train), ("val", x_val),
+                                                                     ("test", x_test))}
+        self.y = {k: np.asarray(v, np.int64) for k, v in (("train", y_train), ("val", y_val), ("test", y_test))}
+        self.y1 = {k: eye[v] for k, v in self.y.items()}
+
+    # --- run --------------------------------------------------------------------------------
+    def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
+        bs = self.workload.training.batch_size
+        x, y = self.x["train"], self.y1["train"]
+        loss_sum = correct = 0.0
+        for start in range(0, len(order), bs):
+            idx = order[start:start + bs]
+            loss, acc = self.model.train_on_batch(x[idx], y[idx])  # host floats: the device sync
+            loss_sum += float(loss) * len(idx)
+            correct += float(acc) * len(idx)
+        n = len(order)
+        return loss_sum / n, correct / n
+
+    def _probs(self, x: np.ndarray, batch: int) -> np.ndarray:
+        if len(x) == 0:
+            return np.zeros((0, self.workload.num_classes), np.float32)
+        return np.asarray(self.model.predict(x, batch_size=batch))
+
+    def evaluate(self, split: str) -> tuple[float, float]:
+        if len(self.y[split]) == 0:
+            return float("nan"), float("nan")
+        loss, acc = self.model.evaluate(self.x[split], self.y1[split], batch_size=_EVAL_BATCH, verbose=0)
+        return float(loss), float(acc)
+
+    def predict(self) -> np.ndarray:
+        return self._probs(self.x["test"], self.workload.inference.batch_size)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return self._probs(np.asarray(x, np.float32), _EVAL_BATCH).astype(np.float64)
+
+    def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        # Keras 2.2.4 has no per-call `training=False`: a twin without Dropout layers, sharing
+        # nothing but the current weights, takes the steps; its result is copied back.
+        twin = self._compiled(False, self.model.get_weights())
+        eye = np.eye(self.workload.num_classes, dtype=np.float32)
+        losses = [float(twin.train_on_batch(np.asarray(xb, np.float32), eye[np.asarray(yb)])[0])
+                  for xb, yb in batches]
+        self.model.set_weights(twin.get_weights())
+        return losses

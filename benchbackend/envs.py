@@ -1,0 +1,398 @@
+"""Isolated per-backend environments: where they live, whether they are ready, how to build one.
+
+A backend whose framework cannot share the main environment (PlaidML 0.7 pins Keras 2.2.4, which
+clashes with TensorFlow 2.x) runs its worker from a virtual environment of its own. ``setup``
+builds it with the current interpreter's ``venv``, installs the pins from
+``configs/<name>-requirements.txt`` plus the worker's own imports, verifies it by running the
+worker's device probe inside it, and then writes a marker file. ``is_ready`` and
+``package_version`` only read files, so ``list`` and ``--help`` stay fast.
+
+Location: ``$BENCHBACKEND_ENVS/<name>`` when that variable is set, else
+``$XDG_DATA_HOME/benchbackend/envs/<name>`` (``~/.local/share/...``). ``setup(path=DIR)`` builds
+elsewhere and records DIR in ``<root>/<name>.location``, which ``env_dir`` then follows.
+
+The worker runs with ``PYTHONPATH`` set to a directory holding only the ``benchbackend`` package
+(``worker_env``), so the env needs numpy, pyyaml and pydantic but not benchbackend itself.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from .errors import EnvError
+
+#: Isolated environments this product knows: env name -> backend whose probe verifies it.
+ENVS: dict[str, str] = {"plaidml": "plaidml"}
+#: What ``benchbackend.worker`` itself imports (keep in step with pyproject's dependencies).
+WORKER_REQUIREMENTS: tuple[str, ...] = ("numpy>=1.23", "pyyaml>=6", "pydantic>=2.5")
+MARKER = "benchbackend-env.json"
+_VENV_TIMEOUT_S = 300
+_PIP_TIMEOUT_S = 1800
+_PROBE_TIMEOUT_S = 180
+# Variables that would make the env's Python (and its pip) see the main environment's packages.
+_LEAKY_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PIP_USER", "PIP_TARGET", "PIP_PREFIX")
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+# --- where things are ----------------------------------------------------------------------
+def envs_root() -> Path:
+    """The folder holding the isolated environments (and ``<name>.location`` pointers)."""
+    env = os.environ.get("BENCHBACKEND_ENVS")
+    if env:
+        return Path(env).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data).expanduser() / "benchbackend" / "envs"
+
+
+def _pointer(name: str) -> Path:
+    return envs_root() / f"{name}.location"
+
+
+def env_dir(name: str) -> Path:
+    """Where the environment ``name`` lives (a path recorded by ``setup(path=...)`` wins)."""
+    pointer = _pointer(name)
+    try:
+        recorded = pointer.read_text().strip()
+    except OSError:
+        recorded = ""
+    return Path(recorded) if recorded else envs_root() / name
+
+
+def _python_in(env: Path) -> Path:
+    return env / "Scripts" / "python.exe" if os.name == "nt" else env / "bin" / "python"
+
+
+def python_for(name: str) -> Path:
+    """The interpreter of environment ``name`` (``<env>/bin/python``); it may not exist yet."""
+    return _python_in(env_dir(name))
+
+
+def configs_dirs() -> list[Path]:
+    """Where ``configs/`` is looked up: next to the package (a checkout), then the working dir."""
+    return [Path(__file__).resolve().parent.parent / "configs", Path.cwd() / "configs"]
+
+
+def requirements_file(name: str) -> Path:
+    tried = [d / f"{name}-requirements.txt" for d in configs_dirs()]
+    for path in tried:
+        if path.is_file():
+            return path
+    raise EnvError(f"cannot find the pins for the {name} environment; looked for "
+                   f"{', '.join(str(p) for p in tried)}")
+
+
+def _requirements_digest(name: str) -> Optional[str]:
+    try:
+        text = requirements_file(name).read_text()
+    except (EnvError, OSError):
+        return None  # no pins to compare with (an installed package without configs/)
+    blob = text + "\n".join(WORKER_REQUIREMENTS)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _requirement_names(name: str) -> list[str]:
+    lines = requirements_file(name).read_text().splitlines() + list(WORKER_REQUIREMENTS)
+    names = [re.split(r"[<>=!~;\[\s]", ln.strip(), maxsplit=1)[0] for ln in lines]
+    return list(dict.fromkeys(n for n in names if n and not n.startswith(("#", "-"))))
+
+
+# --- cheap state: files only -----------------------------------------------------------------
+def _read_marker(env: Path) -> Optional[dict[str, Any]]:
+    try:
+        data = json.loads((env / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _marker_problem(name: str, env: Path) -> Optional[str]:
+    """Why ``env`` is not a finished build of the current pins, or None when it is."""
+    if not _python_in(env).exists():
+        return f"no environment at {env}"
+    marker = _read_marker(env)
+    if marker is None:
+        return f"the environment at {env} is incomplete (no successful setup recorded)"
+    digest = _requirements_digest(name)
+    if digest and marker.get("requirements") != digest:
+        return f"the environment at {env} was built from other pins than {requirements_file(name)}"
+    return None
+
+
+def is_ready(name: str) -> bool:
+    """Whether ``setup`` finished for the current pins and the interpreter is still there (no subprocess)."""
+    return _marker_problem(name, env_dir(name)) is None
+
+
+def _canonical(dist: str) -> str:
+    return re.sub(r"[-_.]+", "_", dist).lower()
+
+
+def _dist_version(env: Path, dist: str) -> Optional[str]:
+    want = _canonical(dist)
+    for site in [*env.glob("lib/python*/site-packages"), env / "Lib" / "site-packages"]:
+        for info in site.glob("*.dist-info"):
+            stem, _, dir_version = info.name[: -len(".dist-info")].rpartition("-")
+            if _canonical(stem) != want:
+                continue
+            try:
+                with open(info / "METADATA", encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        if line.startswith("Version:"):
+                            return line.split(":", 1)[1].strip()
+                        if not line.strip():
+                            break  # end of the headers
+            except OSError:
+                pass
+            return dir_version or None
+    return None
+
+
+def package_version(name: str, dist: str) -> Optional[str]:
+    """Installed version of distribution ``dist`` in environment ``name`` (reads its METADATA)."""
+    return _dist_version(env_dir(name), dist)
+
+
+# --- running things in an env ----------------------------------------------------------------
+def worker_pythonpath() -> str:
+    """A directory that holds ``benchbackend`` and nothing else of the main environment.
+
+    From a source checkout that is the checkout. An installed benchbackend sits in the main
+    env's site-packages, next to its numpy and frameworks, which must not shadow the isolated
+    env's own; then a folder with a link to the package is used instead.
+    """
+    pkg = Path(__file__).resolve().parent
+    if pkg.parent.name not in ("site-packages", "dist-packages"):
+        return str(pkg.parent)
+    link_dir = envs_root() / ".benchbackend-path"
+    link = link_dir / "benchbackend"
+    try:
+        link_dir.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() and Path(os.readlink(link)) != pkg:
+            link.unlink()
+        if not link.exists():
+            link.symlink_to(pkg, target_is_directory=True)
+    except OSError as exc:
+        raise EnvError(f"cannot expose benchbackend to the isolated env via {link}: {exc}") from None
+    return str(link_dir)
+
+
+def worker_env(base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """Environment variables for ``<env python> -m benchbackend.worker``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _LEAKY_VARS}
+    env["PYTHONPATH"] = worker_pythonpath()
+    return env
+
+
+def probe(name: str, env: Optional[Path] = None, timeout: float = _PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """Run the worker's ``--probe`` in environment ``name``: ``{"version", "devices"}``.
+
+    Raises ``EnvError`` with the worker's own error line when the probe fails.
+    """
+    backend = _backend_for(name)
+    python = _python_in(env or env_dir(name))
+    cmd = [str(python), "-m", "benchbackend.worker", "--probe", backend]
+    try:
+        proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EnvError(f"the {name} device probe could not run: {exc}") from None
+    msg: dict[str, Any] = {}
+    for line in reversed(proc.stdout.splitlines()):
+        try:
+            msg = json.loads(line)
+            break
+        except ValueError:
+            continue
+    if proc.returncode == 0 and "devices" in msg:
+        return msg
+    why = msg.get("message") or _last_line(proc.stderr) or f"exit status {proc.returncode}"
+    raise EnvError(f"the {name} device probe failed: {why}")
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _backend_for(name: str) -> str:
+    try:
+        return ENVS[name]
+    except KeyError:
+        raise EnvError(f"unknown environment '{name}'; known: {', '.join(ENVS)}") from None
+
+
+# --- status and setup ------------------------------------------------------------------------
+@dataclass
+class EnvStatus:
+    name: str
+    path: Path
+    python: Path
+    ready: bool
+    versions: dict[str, str] = field(default_factory=dict)
+    devices: list[str] = field(default_factory=list)
+    message: str = ""
+
+
+def status(name: str, path: Optional[Path] = None, verify: bool = True) -> EnvStatus:
+    """The state of environment ``name`` (at ``path`` if given); changes nothing.
+
+    With ``verify`` the device probe runs inside the env (about a second); without it the
+    devices come from the marker that the last successful setup wrote.
+    """
+    _backend_for(name)
+    env = Path(path).expanduser().absolute() if path else env_dir(name)
+    st = EnvStatus(name, env, _python_in(env), ready=False)
+    problem = _marker_problem(name, env)
+    if _python_in(env).exists():
+        names = _requirement_names(name) if _requirements_digest(name) else [ENVS[name]]
+        st.versions = {d: v for d in names if (v := _dist_version(env, d))}
+    if problem:
+        st.message = f"not ready: {problem}; run `benchbackend setup {name}`"
+        return st
+    st.devices = list((_read_marker(env) or {}).get("devices", []))
+    if verify:
+        try:
+            st.devices = list(probe(name, env)["devices"])
+        except EnvError as exc:
+            st.message = f"broken: {exc}; run `benchbackend setup {name}` to repair it"
+            return st
+    st.ready = True
+    version = st.versions.get(ENVS[name], "?")
+    st.message = f"ready: {ENVS[name]} {version} at {env}; devices: {', '.join(st.devices) or 'none'}"
+    return st
+
+
+def setup(name: str, *, path: Optional[Path] = None, check: bool = False,
+          log: Callable[[str], None] = _quiet) -> EnvStatus:
+    """Build (or reuse, or repair) the isolated environment ``name``; return its status.
+
+    A healthy env is reused without reinstalling. An incomplete or outdated one gets the pins
+    installed over it; when the probe still fails, it is rebuilt from scratch once. ``check``
+    reports the state and changes nothing. Failures raise ``EnvError`` naming the step and the log.
+    """
+    if check:
+        return status(name, path, verify=True)
+    _backend_for(name)
+    env = Path(path).expanduser().absolute() if path else env_dir(name)
+    if _marker_problem(name, env) is None:
+        st = status(name, env, verify=True)
+        if st.ready:
+            log(f"{name}: reusing the environment at {env}")
+            _remember(name, env)
+            return st
+        log(f"{name}: {st.message}")
+    logfile = env.parent / f"{env.name}-setup.log"
+    env.parent.mkdir(parents=True, exist_ok=True)
+    logfile.write_text(f"# benchbackend setup {name} at {env}, {datetime.datetime.now().isoformat()}\n")
+    rebuilt = _prepare(name, env, logfile, log)
+    try:
+        info = _install_and_probe(name, env, logfile, log)
+    except EnvError:
+        if rebuilt:
+            raise
+        log(f"{name}: still broken after installing the pins; rebuilding it from scratch")
+        _prepare(name, env, logfile, log, fresh=True)
+        info = _install_and_probe(name, env, logfile, log)
+    marker = {"name": name, "requirements": _requirements_digest(name), "version": info.get("version"),
+              "devices": info.get("devices", []), "python": _python_version(env),
+              "built": datetime.datetime.now().isoformat(timespec="seconds")}
+    (env / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    _remember(name, env)
+    st = status(name, env, verify=False)
+    log(f"{name}: {st.message}")
+    return st
+
+
+def _prepare(name: str, env: Path, logfile: Path, log: Callable[[str], None], fresh: bool = False) -> bool:
+    """Make ``env`` a working venv without a marker; True when it was (re)created."""
+    if not fresh and _python_in(env).exists() and _python_runs(env):
+        log(f"{name}: repairing the environment at {env}")
+        (env / MARKER).unlink(missing_ok=True)
+        return False
+    if env.exists() and any(env.iterdir()):
+        if not (env / "pyvenv.cfg").is_file():
+            raise EnvError(f"{env} exists and is not a virtual environment; move it away or choose "
+                           f"another place with `benchbackend setup {name} --path DIR`")
+        shutil.rmtree(env)
+    log(f"{name}: creating a virtual environment at {env} (Python {sys.version.split()[0]})")
+    _run([sys.executable, "-m", "venv", str(env)], logfile, f"creating the {name} virtual environment",
+         _VENV_TIMEOUT_S)
+    return True
+
+
+def _install_and_probe(name: str, env: Path, logfile: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    req = requirements_file(name)
+    log(f"{name}: installing {req} and the worker's imports (pip log: {logfile})")
+    _run([str(_python_in(env)), "-m", "pip", "install", "--no-input", "-r", str(req), *WORKER_REQUIREMENTS],
+         logfile, f"pip install into the {name} environment", _PIP_TIMEOUT_S)
+    log(f"{name}: verifying: listing the devices {ENVS[name]} sees")
+    try:
+        info = probe(name, env)
+    except EnvError as exc:
+        with open(logfile, "a") as f:
+            f.write(f"\n# probe\n{exc}\n")
+        raise EnvError(f"{exc} (setup log: {logfile})") from None
+    return info
+
+
+def _run(cmd: list[str], logfile: Path, step: str, timeout: float) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in _LEAKY_VARS}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    with open(logfile, "a") as f:
+        f.write(f"\n# {step}: {' '.join(cmd)}\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise EnvError(f"{step} ran past {timeout:.0f} s; see the end of {logfile}") from None
+        except OSError as exc:
+            raise EnvError(f"{step} could not start: {exc}") from None
+    if rc != 0:
+        tail = _last_line(logfile.read_text(errors="replace"))
+        raise EnvError(f"{step} failed (exit {rc}): {tail}; see the end of {logfile}")
+
+
+def _python_runs(env: Path) -> bool:
+    try:
+        return subprocess.run([str(_python_in(env)), "-c", "import sys"], capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _python_version(env: Path) -> str:
+    cfg = env / "pyvenv.cfg"
+    try:
+        for line in cfg.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() in ("version", "version_info"):
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _remember(name: str, env: Path) -> None:
+    """Record a non-default location so that ``env_dir`` (the runner, ``list``) finds it."""
+    pointer = _pointer(name)
+    default = envs_root() / name
+    try:
+        if env.absolute() == default.absolute():
+            pointer.unlink(missing_ok=True)
+        else:
+            pointer.parent.mkdir(parents=True, exist_ok=True)
+            pointer.write_text(str(env.absolute()) + "\n")
+    except OSError as exc:
+        raise EnvError(f"cannot record the location of the {name} environment in {pointer}: {exc}") from None
