@@ -1,0 +1,254 @@
+"""Array kernels of the NumPy reference: each layer's forward and backward, the loss, optimizers.
+
+Every function finds its array module from its arguments (``get_array_module``), so the same code
+runs on NumPy arrays and on CuPy device arrays. Layouts are canonical (``benchbackend.model``):
+NHWC activations, HWIO conv kernels, ``(in, out)`` dense kernels. Forward functions return
+``(output, cache)``; backward functions take the upstream gradient and that cache.
+"""
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any, Optional, Protocol, Sequence
+
+import numpy as np
+
+from ..model import same_pads
+from ..workload import TrainingSpec
+
+Array = Any  # numpy.ndarray or cupy.ndarray
+
+
+def get_array_module(x: Array) -> ModuleType:
+    """``cupy`` for a CuPy array, else ``numpy`` (CuPy is imported only when it made the array)."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+# --- windows ---------------------------------------------------------------------------------
+def _tap(i: int, j: int, stride: int, ho: int, wo: int) -> tuple[slice, slice, slice, slice]:
+    """Index of kernel tap (i, j) over all output positions: a strided view of the input."""
+    return (slice(None), slice(i, i + stride * (ho - 1) + 1, stride),
+            slice(j, j + stride * (wo - 1) + 1, stride), slice(None))
+
+
+def _gather(x: Array, k: int, stride: int, ho: int, wo: int, axis: int) -> Array:
+    """Every k x k window of ``x`` (NHWC), its k*k taps (row-major (i, j)) stacked on ``axis``."""
+    xp = get_array_module(x)
+    return xp.stack([x[_tap(i, j, stride, ho, wo)] for i in range(k) for j in range(k)], axis=axis)
+
+
+def _scatter(taps: Array, shape: tuple[int, ...], k: int, stride: int) -> Array:
+    """Adjoint of ``_gather(axis=0)``: add each tap's values back where it was read (windows may overlap)."""
+    xp = get_array_module(taps)
+    _, _, ho, wo, _ = taps.shape
+    out = xp.zeros(shape, taps.dtype)
+    for t in range(k * k):
+        out[_tap(t // k, t % k, stride, ho, wo)] += taps[t]
+    return out
+
+
+# --- layers ----------------------------------------------------------------------------------
+def conv2d(x: Array, w: Array, b: Array, stride: int, padding: str) -> tuple[Array, tuple]:
+    """NHWC x HWIO convolution (cross-correlation, as every framework computes it) via im2col."""
+    xp = get_array_module(x)
+    n, h, wd, c = x.shape
+    k, f = w.shape[0], w.shape[3]
+    if padding == "same":
+        (pt, pb), (pl, pr) = same_pads(h, k, stride), same_pads(wd, k, stride)
+        x = xp.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+    else:
+        pt = pl = 0
+    ho, wo = (x.shape[1] - k) // stride + 1, (x.shape[2] - k) // stride + 1
+    cols = _gather(x, k, stride, ho, wo, axis=3).reshape(n * ho * wo, k * k * c)
+    out = (cols @ w.reshape(k * k * c, f) + b).reshape(n, ho, wo, f)
+    return out, (cols, w, stride, x.shape, (pt, pl), (h, wd))
+
+
+def conv2d_backward(g: Array, cache: tuple, need_dx: bool = True) -> tuple[Optional[Array], Array, Array]:
+    """(dx, dw, db); ``dx`` is None when not needed (the first layer), which saves the col2im."""
+    cols, w, stride, padded_shape, (pt, pl), (h, wd) = cache
+    n, ho, wo, f = g.shape
+    k, c = w.shape[0], w.shape[2]
+    g2 = g.reshape(n * ho * wo, f)
+    dw = (cols.T @ g2).reshape(w.shape)
+    db = g2.sum(axis=0)
+    if not need_dx:
+        return None, dw, db
+    # col2im one tap at a time: each (N*Ho*Wo, C) product is contiguous, which makes the strided
+    # accumulation several times faster than slicing one big (N*Ho*Wo, k*k*C) matrix.
+    w_taps = w.reshape(k * k, c, f)
+    dx = get_array_module(g).zeros(padded_shape, g.dtype)
+    for t in range(k * k):
+        dx[_tap(t // k, t % k, stride, ho, wo)] += (g2 @ w_taps[t].T).reshape(n, ho, wo, c)
+    return dx[:, pt:pt + h, pl:pl + wd, :], dw, db
+
+
+def maxpool2d(x: Array, pool: int, stride: int) -> tuple[Array, tuple]:
+    """'valid' max pooling (the Keras default); remembers the first maximum of each window."""
+    n, h, w, c = x.shape
+    ho, wo = (h - pool) // stride + 1, (w - pool) // stride + 1
+    windows = _gather(x, pool, stride, ho, wo, axis=0)  # (p*p, N, Ho, Wo, C)
+    arg = windows.argmax(axis=0)
+    return windows.max(axis=0), (arg, x.shape, pool, stride)
+
+
+def maxpool2d_backward(g: Array, cache: tuple) -> Array:
+    """Routes each output's gradient to its window's argmax (ties: the first in row-major order, as torch)."""
+    xp = get_array_module(g)
+    arg, shape, pool, stride = cache
+    hit = arg[None] == xp.arange(pool * pool).reshape(-1, 1, 1, 1, 1)
+    return _scatter(hit * g[None], shape, pool, stride)
+
+
+def dense(x: Array, w: Array, b: Array) -> tuple[Array, tuple]:
+    return x @ w + b, (x, w)
+
+
+def dense_backward(g: Array, cache: tuple) -> tuple[Array, Array, Array]:
+    x, w = cache
+    return g @ w.T, x.T @ g, g.sum(axis=0)
+
+
+def dropout(x: Array, rate: float, rng: Any) -> tuple[Array, Array]:
+    """Inverted dropout (Keras semantics): keep with probability 1-rate, scale kept units by 1/(1-rate)."""
+    keep = rng.random(x.shape, dtype=np.float32) >= rate
+    scale = (keep / (1.0 - rate)).astype(x.dtype)
+    return x * scale, scale
+
+
+# --- activations and loss ----------------------------------------------------------------------
+def softmax(z: Array) -> Array:
+    xp = get_array_module(z)
+    e = xp.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def activate(z: Array, fn: str) -> Array:
+    xp = get_array_module(z)
+    if fn == "relu":
+        return xp.maximum(z, 0)
+    if fn == "tanh":
+        return xp.tanh(z)
+    if fn == "sigmoid":
+        return 0.5 * (xp.tanh(0.5 * z) + 1)  # = 1/(1+exp(-z)), without overflow for large -z
+    if fn == "softmax":
+        return softmax(z)
+    return z
+
+
+def activate_backward(g: Array, fn: str, z: Array, a: Array) -> Array:
+    """Gradient through ``a = activate(z, fn)``; softmax over the last axis, as Keras applies it."""
+    if fn == "relu":
+        return g * (z > 0)
+    if fn == "tanh":
+        return g * (1 - a * a)
+    if fn == "sigmoid":
+        return g * a * (1 - a)
+    if fn == "softmax":
+        return a * (g - (g * a).sum(axis=-1, keepdims=True))
+    return g
+
+
+def softmax_cross_entropy(logits: Array, y: Array) -> tuple[Array, Array, Array]:
+    """(mean loss, per-sample losses, probabilities) of categorical cross-entropy on logits.
+
+    ``-sum(y * log_softmax(z))`` is computed from the logits with log-sum-exp, so no probability is
+    clipped. That is what Keras 3 on TensorFlow does for a softmax output (it finds the logits behind
+    the softmax); the Keras clip of probabilities to [1e-7, 1 - 1e-7] would only change losses above
+    -log(1e-7) = 16.1, which a parity check never meets.
+    """
+    xp = get_array_module(logits)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    lse = xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
+    per_sample = -(y * (shifted - lse)).sum(axis=-1)
+    return per_sample.mean(), per_sample, xp.exp(shifted - lse)
+
+
+def one_hot(labels: Array, num_classes: int, dtype: Any) -> Array:
+    xp = get_array_module(labels)
+    return xp.eye(num_classes, dtype=dtype)[labels]
+
+
+# --- optimizers (Keras 3 update rules and defaults) ------------------------------------------
+class Optimizer(Protocol):
+    def step(self, params: Sequence[Array], grads: Sequence[Array]) -> None:
+        """Update ``params`` in place from ``grads`` (same order), advancing the optimizer's state."""
+
+
+class SGD:
+    """Keras SGD: ``v = momentum * v - lr * g; w += v`` (plain ``w -= lr * g`` without momentum)."""
+
+    def __init__(self, lr: float, momentum: float = 0.0):
+        self.lr, self.momentum = lr, momentum
+        self.velocity: Optional[list[Array]] = None
+
+    def step(self, params: Sequence[Array], grads: Sequence[Array]) -> None:
+        if not self.momentum:
+            for p, g in zip(params, grads):
+                p -= self.lr * g
+            return
+        if self.velocity is None:
+            self.velocity = [get_array_module(p).zeros_like(p) for p in params]
+        for p, g, v in zip(params, grads, self.velocity):
+            v *= self.momentum
+            v -= self.lr * g
+            p += v
+
+
+class Adam:
+    """Keras 3 Adam: epsilon is added to sqrt(v) *before* bias correction is folded into the step
+    size (``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``), which differs from torch.optim.Adam."""
+
+    def __init__(self, lr: float, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7):
+        self.lr, self.beta_1, self.beta_2, self.epsilon = lr, beta_1, beta_2, epsilon
+        self.t = 0
+        self.m: Optional[list[Array]] = None
+        self.v: Optional[list[Array]] = None
+
+    def step(self, params: Sequence[Array], grads: Sequence[Array]) -> None:
+        if self.m is None or self.v is None:
+            self.m = [get_array_module(p).zeros_like(p) for p in params]
+            self.v = [get_array_module(p).zeros_like(p) for p in params]
+        self.t += 1
+        alpha = self.lr * math.sqrt(1 - self.beta_2 ** self.t) / (1 - self.beta_1 ** self.t)
+        for p, g, m, v in zip(params, grads, self.m, self.v):
+            xp = get_array_module(p)
+            m += (g - m) * (1 - self.beta_1)
+            v += (g * g - v) * (1 - self.beta_2)
+            p -= alpha * m / (xp.sqrt(v) + self.epsilon)
+
+
+class RMSprop:
+    """Keras 3 RMSprop (not centered, no momentum): ``v = rho v + (1-rho) g^2; w -= lr g / sqrt(v + eps)``.
+
+    Keras puts epsilon *inside* the square root (torch.optim.RMSprop adds it outside, and its
+    default rho is 0.99, not 0.9).
+    """
+
+    def __init__(self, lr: float, rho: float = 0.9, epsilon: float = 1e-7):
+        self.lr, self.rho, self.epsilon = lr, rho, epsilon
+        self.v: Optional[list[Array]] = None
+
+    def step(self, params: Sequence[Array], grads: Sequence[Array]) -> None:
+        if self.v is None:
+            self.v = [get_array_module(p).zeros_like(p) for p in params]
+        for p, g, v in zip(params, grads, self.v):
+            xp = get_array_module(p)
+            v *= self.rho
+            v += (1 - self.rho) * g * g
+            p -= self.lr * g / xp.sqrt(v + self.epsilon)
+
+
+def make_optimizer(training: TrainingSpec) -> Optimizer:
+    """The workload's optimizer with Keras 3 defaults; ``momentum`` applies to SGD only."""
+    if training.optimizer == "sgd":
+        return SGD(training.lr, training.momentum)
+    if training.optimizer == "adam":
+        return Adam(training.lr)
+    if training.optimizer == "rmsprop":
+        return RMSprop(training.lr)
+    raise ValueError(f"unknown optimizer {training.optimizer!r}")
