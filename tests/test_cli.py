@@ -74,3 +74,9 @@ def test_plaidml_before_setup_says_to_run_setup(tmp_path):
     assert out.returncode == 2
     assert "benchbackend setup plaidml" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert "pytest" in ci
+    assert ci in (ROOT / "README.md").read_text()

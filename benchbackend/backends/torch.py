@@ -1,6 +1,7 @@
 """PyTorch adapter: a plain training loop over tensors already on the device."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -106,8 +107,19 @@ class TorchBackend(Backend):
         elif t.optimizer == "adam":
             self.opt = torch.optim.Adam(params, lr=t.lr, betas=(0.9, 0.999), eps=1e-7)
         else:
+            # Keras divides by sqrt(v + eps), torch by sqrt(v) + eps: no exact mapping exists;
+            # the trajectory check (--parity-steps) shows the difference.
             self.opt = torch.optim.RMSprop(params, lr=t.lr, alpha=0.9, eps=1e-7)
+        self._adam_steps = 0
         return sum(p.numel() for p in self.net.parameters())
+
+    def _step(self) -> None:
+        if isinstance(self.opt, torch.optim.Adam):
+            # Keras adds eps to sqrt(v) *before* bias correction, torch after: torch's eps
+            # equals Keras' eps / sqrt(1 - beta2^t), so set it per step for the same update.
+            self._adam_steps += 1
+            self.opt.param_groups[0]["eps"] = 1e-7 / math.sqrt(1.0 - 0.999 ** self._adam_steps)
+        self.opt.step()
 
     def _flatten_perm(self) -> np.ndarray | None:
         shape = flatten_input_shape(self.workload)
@@ -168,7 +180,7 @@ class TorchBackend(Backend):
             loss = F.cross_entropy(logits, yb)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            self.opt.step()
+            self._step()
             loss_sum += loss.detach() * len(b)
             correct += (logits.detach().argmax(1) == yb).sum()
         n = len(idx)
@@ -202,6 +214,6 @@ class TorchBackend(Backend):
             loss = F.cross_entropy(self.net(self._tensor(xb)), torch.from_numpy(yb.astype(np.int64)).to(self.device))
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            self.opt.step()
+            self._step()
             losses.append(loss.item())
         return losses

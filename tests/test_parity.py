@@ -1,0 +1,85 @@
+"""The parity check must be able to fail: broken conversions and optimizers end parity_mismatch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchbackend import checks, data, model, worker, workload
+from conftest import requires_tf, requires_torch
+
+
+def _npz(tmp_path, w):
+    ds = data.load(w, "synthetic")
+    path = tmp_path / "d.npz"
+    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
+             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    return str(path)
+
+
+def _run(tmp_path, w, backend, parity_steps=0):
+    rows = []
+    job = {"workload": w.to_dict(), "backend": backend, "device": "cpu", "repeat": 1, "data": _npz(tmp_path, w),
+           "parity_steps": parity_steps}
+    worker.run_job(job, lambda m: rows.append(m) if m.get("type") == "row" else None)
+    return rows, checks.cell_status(rows, w)
+
+
+def _small(name="mnist"):
+    return workload.load(name).with_overrides(limit=256, epochs=1)
+
+
+@requires_torch
+@pytest.mark.parametrize("name", ["mnist", "cifar10"])
+def test_torch_parity_passes(tmp_path, name):
+    rows, (status, msg) = _run(tmp_path, _small(name), "torch")
+    parity = [r for r in rows if r["phase"] == "parity"][0]
+    assert parity["parity_max_rel"] < 1e-5
+    assert status != "parity_mismatch", msg
+
+
+@requires_torch
+def test_skipping_the_flatten_permutation_is_caught(tmp_path, monkeypatch):
+    import benchbackend.backends.torch as tb
+
+    monkeypatch.setattr(tb, "nhwc_to_nchw_rows", lambda h, w, c: np.arange(h * w * c))
+    rows, (status, msg) = _run(tmp_path, _small(), "torch")
+    assert status == "parity_mismatch", msg
+    assert "differs from the NumPy reference" in msg
+
+
+@requires_torch
+def test_a_wrongly_transposed_kernel_is_caught(tmp_path, monkeypatch):
+    import benchbackend.backends.torch as tb
+
+    real = np.transpose
+    monkeypatch.setattr(tb.np, "transpose", lambda a, axes=None: real(a, (3, 2, 1, 0) if axes == (3, 2, 0, 1) else axes))
+    rows, (status, msg) = _run(tmp_path, _small(), "torch")
+    assert status == "parity_mismatch", msg
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=requires_torch),
+                                     pytest.param("tensorflow", marks=requires_tf), "numpy"])
+def test_trajectory_agrees_for_k_steps(tmp_path, backend):
+    rows, (status, msg) = _run(tmp_path, _small(), backend, parity_steps=5)
+    traj = [r for r in rows if r["phase"] == "parity" and r.get("steps")]
+    assert traj and traj[0]["parity_step"] is None, traj
+    assert status != "parity_mismatch", msg
+
+
+@requires_torch
+def test_trajectory_catches_a_wrong_optimizer(tmp_path):
+    from benchbackend.backends.torch import TorchBackend
+
+    w = _small()
+    wrong = w.model_copy(update={"training": w.training.model_copy(update={"lr": w.training.lr * 2})})
+    b = TorchBackend(wrong, "cpu")
+    weights = model.initial_weights(w, 1)
+    b.build(weights)
+    ds = data.load(w, "synthetic")
+    arrays = {"x_train": data.normalize(ds.x_train), "y_train": ds.y_train, "x_val": data.normalize(ds.x_val),
+              "orders": data.epoch_orders(len(ds.y_train), 1, w.seed)}
+    rows = []
+    worker._parity(b, w, weights, arrays, 5, rows.append, {"type": "row"})
+    traj = rows[-1]
+    assert traj["parity_step"] is not None and traj["parity_step"] <= 5
+    assert checks.cell_status(rows, w)[0] == "parity_mismatch"
