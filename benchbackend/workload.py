@@ -157,7 +157,7 @@ class Workload(_Strict):
         """A copy with command-line overrides applied.
 
         ``limit`` caps the training samples; validation and test shrink in proportion
-        (never below 64 or the full size if smaller), so a smoke run stays a smoke run.
+        (never below 256, or the full size if smaller, so the chance check has samples to judge), so a smoke run stays a smoke run.
         """
         upd: dict[str, Any] = {}
         if epochs is not None:
@@ -166,7 +166,7 @@ class Workload(_Strict):
             upd["seed"] = seed
         if limit is not None and limit < self.data.train:
             frac = limit / self.data.train
-            shrink = lambda n: min(n, max(64, round(n * frac)))  # noqa: E731
+            shrink = lambda n: min(n, max(256, round(n * frac)))  # noqa: E731
             upd["data"] = self.data.model_copy(update={
                 "train": limit, "validation": shrink(self.data.validation) if self.data.validation else 0,
                 "test": shrink(self.data.test)})

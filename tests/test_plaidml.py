@@ -305,3 +305,27 @@ def test_opencl_path_runs_a_tiny_cell_on_pocl(plaidml_env: envs.EnvStatus, tmp_p
     epoch = rows(msgs, "train_epoch")[0]
     assert np.isfinite(epoch["loss"]) and np.isfinite(epoch["val_loss"])
     assert len(rows(msgs, "inference")) == 1
+
+
+# --- the whole product: CLI, runner, PlaidML beside TensorFlow ---------------------------------
+def test_cli_smoke_run_plaidml_beside_tensorflow(plaidml_env: envs.EnvStatus, envs_root: Path, tmp_path: Path) -> None:
+    """`benchbackend run mnist -b plaidml -b tensorflow`: both cells ok, PlaidML's device and version in the CSV.
+
+    The issue's smoke is --limit 256 --epochs 1 (8 SGD steps at lr 0.01), which no backend can
+    reliably take significantly above chance; 1024 samples (32 steps) can.
+    """
+    pytest.importorskip("tensorflow", reason="TensorFlow is not installed in the main environment")
+    from benchbackend import results
+    from conftest import cli
+
+    out_csv = tmp_path / "smoke.csv"
+    out = cli("run", "mnist", "-b", "plaidml", "-b", "tensorflow", "--data", "synthetic", "--limit", "1024",
+              "--epochs", "1", "--repeats", "1", "-o", str(out_csv), "--no-plots",
+              env={"BENCHBACKEND_ENVS": str(envs_root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    df = results.read(out_csv)
+    assert set(df["status"]) == {"ok"}
+    pml = df[df.backend == "plaidml"]
+    assert set(pml["device"]) == {"llvm_cpu.0"} and set(pml["backend_version"]) == {"0.7.0"}
+    assert (pml[pml.phase == "parity"]["parity_max_rel"] < 1e-4).all()
+    assert set(df[df.backend == "tensorflow"]["status"]) == {"ok"}

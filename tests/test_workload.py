@@ -107,7 +107,7 @@ def test_limit_shrinks_validation_and_test_in_proportion():
     w = workload.load("mnist").with_overrides(limit=5400, epochs=2)
     assert (w.data.train, w.data.validation, w.data.test, w.training.epochs) == (5400, 600, 1000, 2)
     tiny = workload.load("mnist").with_overrides(limit=100)
-    assert tiny.data.validation == 64 and tiny.data.test == 64
+    assert tiny.data.validation == 256 and tiny.data.test == 256
     assert tiny.hash() != workload.load("mnist").hash()
 
 
