@@ -191,7 +191,7 @@ def setup(backend: str, path: Optional[Path], check: bool) -> None:
         click.echo(f"  {dist} {ver}")
     if status.devices:
         click.echo(f"  devices: {', '.join(status.devices)}")
-    if status.message:
+    if status.message and not status.ready:  # when ready, the message repeats the lines above
         click.echo(f"  {status.message}")
     sys.exit(0 if status.ready else 1)
 

@@ -67,7 +67,7 @@ def _cell(value: Any) -> str:
             return "nan"
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
-        return repr(value)
+        return repr(float(value))  # float(): NumPy 2 scalars repr as 'np.float64(...)'
     return str(value)
 
 
@@ -124,24 +124,33 @@ def read(path: str | Path) -> "Any":
     if not p.is_file():
         raise ResultsError(f"{p}: no such file")
     try:
-        with open(p, newline="") as fh:
-            text = fh.read()
+        with open(p, "rb") as fh:
+            head = fh.readline().decode("utf-8")
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(size - 1, 0))
+            last = fh.read(1)
     except (OSError, UnicodeDecodeError) as exc:
         raise ResultsError(f"{p}: cannot read as text ({exc})") from None
-    if not text.strip():
+    if not head.strip():
         raise ResultsError(f"{p}: empty file, not a benchbackend results CSV")
-    lines = list(csv.reader(text.splitlines()))
-    header = lines[0]
+    header = next(csv.reader([head]))
     missing = [c for c in REQUIRED if c not in header]
     if missing:
         raise ResultsError(f"{p}: not a benchbackend results CSV (missing columns: {', '.join(missing)})")
-    for lineno, fields in enumerate(lines[1:], start=2):
-        if len(fields) != len(header):
-            what = "truncated" if lineno == len(lines) else "malformed"
-            raise ResultsError(f"{p}: line {lineno} is {what} ({len(fields)} fields, expected {len(header)})")
-    if not text.endswith("\n") and len(lines) > 1:
+    try:
+        df = pd.read_csv(p, dtype=str, keep_default_na=False, na_values=[], engine="c")
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
+        raise ResultsError(f"{p}: malformed CSV ({str(exc).strip().splitlines()[-1]})") from None
+    # A row with too few fields comes back with NaN in its last columns (keep_default_na=False
+    # leaves real empty fields as ""), which is how a truncated file shows.
+    short = df.isna().any(axis=1)
+    if short.any():
+        i = int(short.to_numpy().argmax())
+        what = "truncated" if i == len(df) - 1 else "malformed"
+        raise ResultsError(f"{p}: line {i + 2} is {what} (fewer fields than the {len(header)} columns)")
+    if last != b"\n" and len(df):
         raise ResultsError(f"{p}: truncated (the last line has no line end)")
-    df = pd.read_csv(p, dtype=str, keep_default_na=False)
     versions = set(df["schema_version"])
     for v in versions:
         if not v.isdigit():
@@ -153,11 +162,14 @@ def read(path: str | Path) -> "Any":
         if col not in df.columns:
             df[col] = ""
     for col in NUMERIC:
-        converted = pd.to_numeric(df[col].replace("", None), errors="coerce")
-        bad = df[col].ne("") & converted.isna() & ~df[col].str.lower().isin(["nan"])
-        if bad.any():
-            i = int(bad.idxmax())
-            raise ResultsError(f"{p}: line {i + 2}: column {col} is not a number: {df[col][i]!r}")
+        raw = df[col]
+        converted = pd.to_numeric(raw.where(raw != "", None), errors="coerce")
+        suspect = converted.isna() & raw.ne("")
+        if suspect.any():
+            bad = suspect & ~raw[suspect].str.lower().isin(["nan"]).reindex(raw.index, fill_value=False)
+            if bad.any():
+                i = int(bad.to_numpy().argmax())
+                raise ResultsError(f"{p}: line {i + 2}: column {col} is not a number: {raw.iloc[i]!r}")
         df[col] = converted
     df["source"] = str(p)
     return df
