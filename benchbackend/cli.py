@@ -117,7 +117,7 @@ def _write_run_plots(csv_path: Path) -> None:
     from . import plots, results
 
     try:
-        df = results.read(csv_path)
+        df = results.for_comparison(results.read(csv_path))
         made = plots.write_report(df, csv_path.with_name(csv_path.stem + "-plots"))
         if made:
             click.echo(f"plots: {made[-1].parent}")

@@ -258,6 +258,7 @@ def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tup
     """
     _check_format(fmt)
     df, skipped = results.read_many(_expand(list(paths)), skip_bad=skip_bad)
+    df = results.for_comparison(df)
     notes = [f"skipped {msg}" for msg in skipped]
     groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, notes)
     outcome = CompareOutcome(text=tables.render(groups, fmt, warnings), warnings=warnings, exit_code=code)

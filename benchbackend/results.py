@@ -26,7 +26,7 @@ BASE_COLUMNS = [
 ]
 #: Added columns (schema 1): parity errors, model size, memory.
 EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
-                 "peak_rss_mb", "steps"]
+                 "peak_rss_mb", "steps", "requested_device"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "parity", "train_epoch", "inference", "run")
@@ -173,6 +173,25 @@ def read(path: str | Path) -> "Any":
         df[col] = converted
     df["source"] = str(p)
     return df
+
+
+def for_comparison(df: "Any") -> "Any":
+    """A copy shaped for comparing backends.
+
+    - ``device`` becomes what the user asked for (``--device cpu``) where recorded: backends name
+      one device differently (torch ``cpu``, TensorFlow ``cpu:0``, PlaidML ``llvm_cpu.0``), and
+      comparisons are between backends asked to use the same device.
+    - ``mode`` is blanked for a backend that ran in one mode only, so it is named ``torch``
+      rather than ``torch:eager``; a backend seen in several modes keeps them apart.
+    """
+    out = df.copy()
+    if "requested_device" in out.columns:
+        asked = out["requested_device"].astype(str)
+        out["device"] = asked.where(asked != "", out["device"])
+    if "mode" in out.columns:
+        modes = out.groupby("backend")["mode"].transform("nunique")
+        out["mode"] = out["mode"].where(modes > 1, "")
+    return out
 
 
 def read_many(paths: Iterable[str | Path], skip_bad: bool = False) -> tuple["Any", list[str]]:

@@ -107,7 +107,8 @@ class Runner:
                 "backend_version": info.get("backend_version", ""), "device": info.get("device", self.plan.device),
                 "mode": info.get("mode", ""), "repeat": repeat, "host": self.env["host"], "os": self.env["os"],
                 "python": info.get("python", self.env["python"]), "cpu": self.env["cpu"], "gpu": info.get("gpu", ""),
-                "flops_per_sample": model.flops_per_sample(w), "params": model.param_count(w)}
+                "flops_per_sample": model.flops_per_sample(w), "params": model.param_count(w),
+                "requested_device": self.plan.device}
 
     def _write(self, base: dict[str, Any], row: dict[str, Any], status: str = "ok") -> dict[str, Any]:
         full = {**base, **{k: v for k, v in row.items() if k != "type"}}

@@ -84,7 +84,8 @@ def _fastest_line(frame: pd.DataFrame) -> str:
         else:
             key, row = best.index[0], best.iloc[0]
             verdict = row[f"{prefix}_verdict"]
-            how = "" if verdict in ("baseline", "n/a") else f", {verdict} than {row['baseline']}"
+            how = ("" if verdict in ("baseline", "n/a") else f", {verdict} than {row['baseline']}"
+                   if verdict.endswith(("faster", "slower")) else f"; vs {row['baseline']}: {verdict}")
             parts.append(f"{what} {_label(key)} ({_num(row[col])} s{how})")
         quickest = timed[col].idxmin()
         if timed.loc[quickest, "status"] != "ok":

@@ -113,14 +113,31 @@ def test_false_positive_rate_is_about_alpha() -> None:
     assert np.mean([r.low < 1 < r.high for r in pairs]) > 0.9
 
 
-def test_three_repeats_cannot_be_significant_and_say_so(tmp_path: Path) -> None:
+def test_three_repeats_use_welch_on_logs_and_can_be_significant(tmp_path: Path) -> None:
+    """3 against 3: a rank test can never reach 0.05, so the verdict comes from Welch's t-test."""
     path = tmp_path / "three.csv"
     w = results.CsvWriter(path)
     write_cells(w, "numpy", 2.0, repeats=3, seed=1)
     write_cells(w, "torch", 1.0, repeats=3, seed=2)
     groups, out = groups_json([path])
-    assert groups["torch"]["train_verdict"] == "not significant (too few repeats)"
+    assert groups["torch"]["train_verdict"].endswith("x faster")
     assert not any("fewer than 3 repeats" in w for w in out.warnings)
+
+
+def test_three_repeats_same_distribution_false_positive_rate() -> None:
+    from benchbackend import stats
+
+    rng = np.random.default_rng(1)
+    pairs = [stats.compare_times(1 + 0.03 * rng.standard_normal(3), 1 + 0.03 * rng.standard_normal(3))
+             for _ in range(300)]
+    assert np.mean([r.significant for r in pairs]) < 0.10
+
+
+def test_one_repeat_is_not_significant_and_says_why() -> None:
+    from benchbackend import stats
+
+    r = stats.compare_times(np.array([2.0]), np.array([1.0]))
+    assert r.verdict == "not significant (too few repeats)"
 
 
 def test_nan_loss_backend_is_never_the_winner(tmp_path: Path) -> None:
@@ -318,3 +335,14 @@ def test_compare_help_imports_no_ml_framework() -> None:
     code = ("from benchbackend.cli import main\n"
             "try:\n    main(['compare', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n")
     assert _modules_after(code) == set()
+
+
+def test_backends_asked_for_the_same_device_are_compared(tmp_path: Path) -> None:
+    """torch says cpu, TensorFlow cpu:0, PlaidML llvm_cpu.0: all were asked for --device cpu."""
+    path = tmp_path / "devices.csv"
+    w = results.CsvWriter(path)
+    write_cells(w, "tensorflow", 2.0, seed=1, device="cpu:0", mode="tf.function", requested_device="cpu")
+    write_cells(w, "plaidml", 4.0, seed=2, device="llvm_cpu.0", mode="keras2", requested_device="cpu")
+    groups, _ = groups_json([path], baseline="tensorflow")
+    assert set(groups) == {"tensorflow", "plaidml"}  # one mode each: no ":mode" suffix
+    assert groups["plaidml"]["train_verdict"].startswith("2.0") and "slower" in groups["plaidml"]["train_verdict"]
