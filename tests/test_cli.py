@@ -80,3 +80,12 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert "pytest" in ci
     assert ci in (ROOT / "README.md").read_text()
+
+
+def test_missing_real_data_is_one_line_naming_files_and_the_synthetic_alternative(tmp_path):
+    out = cli("run", "mnist", "-b", "numpy", "--data", "auto", "--data-dir", str(tmp_path / "empty"),
+              "-o", str(tmp_path / "r.csv"))
+    assert out.returncode == 2
+    first = out.stderr.strip().splitlines()[-2]
+    assert first.startswith("Error:") and "train-images-idx3-ubyte.gz" in first and "--data synthetic" in first
+    assert "Traceback" not in out.stderr
