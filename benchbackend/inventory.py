@@ -50,7 +50,7 @@ def render(probe_devices: bool = True) -> str:
             info = f"INVALID: {exc}"
         lines.append(f"  {name:<12} {info}")
     lines += ["", "Backends:"]
-    specs = list(backends.BACKENDS.values())
+    specs = [backends.get(name) for name in backends.BACKENDS]
     ready = {s.name: backends.installed(s) for s in specs}
     probes: dict[str, dict[str, Any]] = {}
     if probe_devices:

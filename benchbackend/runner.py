@@ -67,6 +67,8 @@ class RunPlan:
 
 
 def python_for(spec: backends.BackendSpec) -> str:
+    if spec.python:
+        return spec.python
     if spec.isolated_env:
         from . import envs
 
@@ -294,6 +296,11 @@ class Runner:
 def check_backends(names: list[str]) -> None:
     """Raise for unknown names, and when none of the requested backends is installed."""
     specs = [backends.get(n) for n in names]
-    missing = [s for s in specs if not backends.installed(s)]
-    if len(missing) == len(specs):
-        raise BackendUnavailable("; ".join(f"backend '{s.name}' is not installed: {s.install}" for s in missing))
+    problems = []
+    for spec in specs:
+        try:
+            backends.require(spec)
+        except BackendUnavailable as exc:
+            problems.append(str(exc))
+    if len(problems) == len(specs):
+        raise BackendUnavailable("; ".join(problems))

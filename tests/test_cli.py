@@ -89,3 +89,22 @@ def test_missing_real_data_is_one_line_naming_files_and_the_synthetic_alternativ
     first = out.stderr.strip().splitlines()[-2]
     assert first.startswith("Error:") and "train-images-idx3-ubyte.gz" in first and "--data synthetic" in first
     assert "Traceback" not in out.stderr
+
+
+def test_interpreter_is_configurable_per_backend(tmp_path, monkeypatch):
+    """configs/backends.yaml picks each backend's worker interpreter; a bad entry is one line."""
+    from benchbackend import backends, runner
+    from benchbackend.errors import BackendUnavailable
+
+    cfg = tmp_path / "backends.yaml"
+    cfg.write_text(f"numpy: {sys.executable}\nplaidml: current\n")
+    monkeypatch.setenv("BENCHBACKEND_BACKENDS_CONFIG", str(cfg))
+    assert runner.python_for(backends.get("numpy")) == sys.executable
+    assert backends.get("plaidml").isolated_env is None
+    assert backends.get("torch").python is None  # not named: the default
+    cfg.write_text("caffe: current\n")
+    with pytest.raises(BackendUnavailable, match="unknown backend 'caffe'"):
+        backends.get("numpy")
+    cfg.write_text("numpy: /no/such/python\n")
+    out = cli("run", "mnist", "-b", "numpy", "--data", "synthetic", env={"BENCHBACKEND_BACKENDS_CONFIG": str(cfg)})
+    assert out.returncode == 2 and "configured python /no/such/python does not exist" in out.stderr

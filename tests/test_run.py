@@ -1,7 +1,6 @@
 """End-to-end runs through the real CLI and real worker processes (PyTorch and TensorFlow on CPU)."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import BackendUnavailable
@@ -43,6 +45,8 @@ class BackendSpec:
     env: Callable[[str], dict[str, str]] = field(default=lambda device: {})
     #: None: runs in the current interpreter; else the name of an isolated env (``benchbackend setup NAME``).
     isolated_env: Optional[str] = None
+    #: An explicit interpreter for the workers (configs/backends.yaml), else None.
+    python: Optional[str] = None
     devices: tuple[str, ...] = ("cpu", "gpu")
 
     def load_class(self):
@@ -67,15 +71,51 @@ BACKENDS: dict[str, BackendSpec] = {
 }
 
 
+def _interpreters() -> dict[str, str]:
+    """``configs/backends.yaml`` (or $BENCHBACKEND_BACKENDS_CONFIG): backend -> current | env | path."""
+    import yaml
+
+    from ..envs import configs_dirs
+
+    env = os.environ.get("BENCHBACKEND_BACKENDS_CONFIG")
+    files = [Path(env)] if env else [d / "backends.yaml" for d in configs_dirs()]
+    for f in files:
+        if f.is_file():
+            try:
+                raw = yaml.safe_load(f.read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise BackendUnavailable(f"{f}: malformed YAML: {str(exc).splitlines()[0]}") from None
+            if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+                raise BackendUnavailable(f"{f}: expected 'backend: current | env | /path/to/python' lines")
+            unknown = sorted(set(raw) - set(BACKENDS))
+            if unknown:
+                raise BackendUnavailable(f"{f}: unknown backend '{unknown[0]}'; choose from {', '.join(BACKENDS)}")
+            return raw
+        if env:
+            raise BackendUnavailable(f"{f}: BENCHBACKEND_BACKENDS_CONFIG names a file that does not exist")
+    return {}
+
+
 def get(name: str) -> BackendSpec:
+    """The spec of backend ``name``, with the interpreter ``configs/backends.yaml`` gives it."""
     try:
-        return BACKENDS[name]
+        spec = BACKENDS[name]
     except KeyError:
         raise BackendUnavailable(f"unknown backend '{name}'; choose from {', '.join(BACKENDS)}") from None
+    choice = _interpreters().get(name)
+    if choice is None:
+        return spec
+    if choice == "current":
+        return replace(spec, isolated_env=None, python=None)
+    if choice == "env":
+        return replace(spec, isolated_env=spec.isolated_env or name, python=None)
+    return replace(spec, isolated_env=None, python=choice)
 
 
 def installed(spec: BackendSpec) -> bool:
     """Whether the backend can run here, without importing it."""
+    if spec.python:
+        return Path(spec.python).is_file()  # what it can import shows when its worker starts
     if spec.isolated_env:
         from .. import envs
 
@@ -84,6 +124,8 @@ def installed(spec: BackendSpec) -> bool:
 
 
 def version(spec: BackendSpec) -> str:
+    if spec.python:
+        return ""  # known once a worker (or `list`'s probe) has run in that interpreter
     if spec.isolated_env:
         from .. import envs
 
@@ -98,4 +140,5 @@ def version(spec: BackendSpec) -> str:
 
 def require(spec: BackendSpec) -> None:
     if not installed(spec):
-        raise BackendUnavailable(f"backend '{spec.name}' is not installed: {spec.install}")
+        where = f" (configured python {spec.python} does not exist)" if spec.python else ""
+        raise BackendUnavailable(f"backend '{spec.name}' is not installed{where}: {spec.install}")

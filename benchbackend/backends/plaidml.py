@@ -47,8 +47,9 @@ import plaidml  # noqa: E402  (after the settings above)
 import plaidml.exceptions  # noqa: E402
 
 from ..errors import BackendUnavailable  # noqa: E402
-from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload  # noqa: E402
+from ..workload import Workload  # noqa: E402
 from .base import Backend  # noqa: E402
+from .keras_layers import keras_layers  # noqa: E402
 
 _EVAL_BATCH = 256
 _keras: Any = None
@@ -119,10 +120,6 @@ def resolve_device(device: str, usable: list[tuple[str, str]], unsupported: list
     raise BackendUnavailable(f"plaidml has no device '{device}'; use cpu, gpu or one of: {listed}")
 
 
-def _act(name: str) -> str:
-    return "linear" if name == "none" else name
-
-
 class PlaidMLBackend(Backend):
     name = "plaidml"
     mode = "keras2"
@@ -153,23 +150,8 @@ class PlaidMLBackend(Backend):
     # --- model ------------------------------------------------------------------------------
     def _model(self, dropout: bool = True) -> Any:
         L = self.keras.layers
-        layers: list[Any] = [L.InputLayer(input_shape=self.workload.input_shape)]
-        for layer in self.workload.model:
-            if isinstance(layer, Conv2D):
-                layers.append(L.Conv2D(layer.filters, layer.kernel_size, strides=layer.stride,
-                                       padding=layer.padding, activation=_act(layer.activation)))
-            elif isinstance(layer, MaxPool2D):
-                layers.append(L.MaxPooling2D(layer.pool_size, strides=layer.stride or layer.pool_size))
-            elif isinstance(layer, Dropout):
-                if dropout:
-                    layers.append(L.Dropout(layer.rate, seed=self.workload.seed))
-            elif isinstance(layer, Flatten):
-                layers.append(L.Flatten())
-            elif isinstance(layer, Dense):
-                layers.append(L.Dense(layer.units, activation=_act(layer.activation)))
-            elif isinstance(layer, ActivationLayer):
-                layers.append(L.Activation(_act(layer.function)))
-        return self.keras.models.Sequential(layers)
+        return self.keras.models.Sequential([L.InputLayer(input_shape=self.workload.input_shape)]
+                                            + keras_layers(self.workload, L, dropout))
 
     def _optimizer(self) -> Any:
         t, opt = self.workload.training, self.keras.optimizers

@@ -9,14 +9,11 @@ import tensorflow as tf
 import keras
 
 from ..errors import BackendUnavailable
-from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from ..workload import Workload
 from .base import Backend
+from .keras_layers import keras_layers
 
 _EVAL_BATCH = 1024
-
-
-def _act(name: str) -> str | None:
-    return None if name == "none" else name
 
 
 class TensorFlowBackend(Backend):
@@ -55,24 +52,8 @@ class TensorFlowBackend(Backend):
 
     # --- model ------------------------------------------------------------------------------
     def _model(self, dropout: bool = True) -> keras.Model:
-        L = keras.layers
-        layers: list[keras.layers.Layer] = [keras.Input(shape=self.workload.input_shape)]
-        for layer in self.workload.model:
-            if isinstance(layer, Conv2D):
-                layers.append(L.Conv2D(layer.filters, layer.kernel_size, strides=layer.stride,
-                                       padding=layer.padding, activation=_act(layer.activation)))
-            elif isinstance(layer, MaxPool2D):
-                layers.append(L.MaxPooling2D(layer.pool_size, strides=layer.stride or layer.pool_size))
-            elif isinstance(layer, Dropout):
-                if dropout:
-                    layers.append(L.Dropout(layer.rate, seed=self.workload.seed))
-            elif isinstance(layer, Flatten):
-                layers.append(L.Flatten())
-            elif isinstance(layer, Dense):
-                layers.append(L.Dense(layer.units, activation=_act(layer.activation)))
-            elif isinstance(layer, ActivationLayer):
-                layers.append(L.Activation(_act(layer.function) or "linear"))
-        return keras.Sequential(layers)
+        inputs = [keras.Input(shape=self.workload.input_shape)]
+        return keras.Sequential(inputs + keras_layers(self.workload, keras.layers, dropout))
 
     def _optimizer(self) -> keras.optimizers.Optimizer:
         t = self.workload.training
