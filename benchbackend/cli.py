@@ -107,22 +107,29 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], device: str, rep
     click.echo("\nsummary (steady epoch = median of epochs after the first):")
     for cell in cells:
         click.echo("  " + cell.line())
-    if plots and r.writer.rows:
-        _write_run_plots(out)
+    if r.writer.rows:
+        _report(out, plots=plots, verdict=len({c.backend for c in cells if c.status != "unavailable"}) > 1)
     click.echo(f"results: {out}")
     sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
 
 
-def _write_run_plots(csv_path: Path) -> None:
-    from . import plots, results
+def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
+    """After a run: the compare table (when backends can be compared) and the plots."""
+    from . import compare, results
 
     try:
         df = results.for_comparison(results.read(csv_path))
-        made = plots.write_report(df, csv_path.with_name(csv_path.stem + "-plots"))
-        if made:
-            click.echo(f"plots: {made[-1].parent}")
-    except Exception as exc:  # plots are a convenience: never lose the run over them
-        _err(f"warning: plots not written: {exc}")
+        text = compare.compare_frame(df).text
+        if verdict:
+            click.echo("\n" + text)
+        if plots:
+            from . import plots as plotting
+
+            made = plotting.write_report(df, csv_path.with_name(csv_path.stem + "-plots"), summary_text=text)
+            if made:
+                click.echo(f"plots: {made[-1].parent}")
+    except Exception as exc:  # a convenience after the fact: never lose the run over it
+        _err(f"warning: comparison/plots not written: {exc}")
 
 
 @main.command(name="list")
