@@ -81,7 +81,8 @@ def python_for(name: str) -> Path:
 
 def configs_dirs() -> list[Path]:
     """Where ``configs/`` is looked up: next to the package (a checkout), then the working dir."""
-    return [Path(__file__).resolve().parent.parent / "configs", Path.cwd() / "configs"]
+    return [Path(__file__).resolve().parent.parent / "configs", Path.cwd() / "configs",
+            Path(sys.prefix) / "share" / "benchbackend" / "configs"]  # the last: a non-editable install
 
 
 def requirements_file(name: str) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -183,7 +184,8 @@ def workload_dirs() -> list[Path]:
     if env:
         dirs.append(Path(env))
     dirs.append(Path.cwd() / "workloads")
-    dirs.append(Path(__file__).resolve().parent.parent / "workloads")
+    dirs.append(Path(__file__).resolve().parent.parent / "workloads")  # a source checkout
+    dirs.append(Path(sys.prefix) / "share" / "benchbackend" / "workloads")  # a non-editable install
     seen, out = set(), []
     for d in dirs:
         key = str(d.resolve()) if d.exists() else str(d)
