@@ -101,7 +101,6 @@ class Runner:
         self.env = results.environment()
         self.writer = results.CsvWriter(plan.output)
         self.cells: list[CellResult] = []
-        self._proc: Optional[subprocess.Popen] = None
 
     # --- rows -------------------------------------------------------------------------------
     def _base(self, w: Workload, backend: str, repeat: int, info: dict[str, Any]) -> dict[str, Any]:
@@ -178,21 +177,22 @@ class Runner:
         env = dict(worker_environ(spec), PYTHONUNBUFFERED="1")
         with tempfile.TemporaryFile("w+") as err:
             try:
-                self._proc = subprocess.Popen([python_for(spec), "-m", "benchbackend.worker"], stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                                              start_new_session=True)
+                proc = subprocess.Popen([python_for(spec), "-m", "benchbackend.worker"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                        start_new_session=True)
             except OSError as exc:
                 cell.status, cell.message = "crashed", f"cannot start worker: {exc}"
                 self._status_row(base, cell.status, cell.message)
                 return cell
-            proc = self._proc
             assert proc.stdin and proc.stdout
-            proc.stdin.write(json.dumps(job))
-            proc.stdin.close()
+            try:
+                proc.stdin.write(json.dumps(job))
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # the worker died before reading its job: its exit code and stderr say why
             lines: "queue.Queue[Optional[str]]" = queue.Queue()
             threading.Thread(target=lambda: ([lines.put(ln) for ln in proc.stdout], lines.put(None)), daemon=True).start()
             ended, error = self._pump(lines, proc, w, base, rows, cell, tag)
-            self._proc = None
             if cell.status == "unavailable":
                 self._status_row(base, cell.status, cell.message)
                 return cell

@@ -161,3 +161,18 @@ def test_gpu_request_without_gpu_is_unavailable(tmp_path):
     df = results.read(out_csv)
     assert df["status"].tolist() == ["unavailable"]
     assert "no CUDA GPU" in df["message"].iloc[0]
+
+
+def test_an_interpreter_that_dies_at_once_is_a_crashed_row(tmp_path, monkeypatch):
+    from benchbackend import runner, workload
+
+    fake = tmp_path / "notpython"
+    fake.write_text("#!/bin/sh\necho 'no such module: benchbackend' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(runner, "python_for", lambda spec: str(fake))
+    w = workload.load("mnist").with_overrides(limit=64, epochs=1)
+    plan = runner.RunPlan(workloads=[w], backends=["numpy"], repeats=1, data_source="synthetic",
+                          output=tmp_path / "d.csv")
+    cells = runner.Runner(plan).run()
+    assert [c.status for c in cells] == ["crashed"]
+    assert "exited with code 3" in cells[0].message and "no such module" in cells[0].message
