@@ -86,7 +86,7 @@ def run_job(job: dict[str, Any], emit: Emit) -> None:
     """Run one cell and stream its messages through ``emit`` (also usable in-process by tests)."""
     from .backends.base import accuracy
     from .errors import BackendUnavailable
-    from .model import initial_weights
+    from .model import initial_weights, param_count
     from .timing import peak_rss_mb, timed
     from .workload import Workload
 
@@ -105,8 +105,6 @@ def run_job(job: dict[str, Any], emit: Emit) -> None:
           "mode": backend.mode, "gpu": backend.gpu_name(), "python": platform.python_version()})
 
     params, seconds = timed(lambda: backend.build(weights))
-    from .model import param_count
-
     expected = param_count(workload)
     if params != expected:
         raise RuntimeError(f"{job['backend']} built {params} parameters; the spec has {expected}")
