@@ -201,24 +201,14 @@ def probe(name: str, env: Optional[Path] = None, timeout: float = _PROBE_TIMEOUT
 
     Raises ``EnvError`` with the worker's own error line when the probe fails.
     """
-    backend = _backend_for(name)
+    from .errors import BackendUnavailable
+    from .worker import probe_in
+
     python = _python_in(env or env_dir(name))
-    cmd = [str(python), "-m", "benchbackend.worker", "--probe", backend]
     try:
-        proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise EnvError(f"the {name} device probe could not run: {exc}") from None
-    msg: dict[str, Any] = {}
-    for line in reversed(proc.stdout.splitlines()):
-        try:
-            msg = json.loads(line)
-            break
-        except ValueError:
-            continue
-    if proc.returncode == 0 and "devices" in msg:
-        return msg
-    why = msg.get("message") or _last_line(proc.stderr) or f"exit status {proc.returncode}"
-    raise EnvError(f"the {name} device probe failed: {why}")
+        return probe_in(str(python), _backend_for(name), worker_env(), timeout)
+    except BackendUnavailable as exc:
+        raise EnvError(f"the {name} device probe failed: {exc}") from None
 
 
 def _last_line(text: str) -> str:

@@ -5,13 +5,11 @@ in its own process, in parallel, so this process never imports a framework.
 """
 from __future__ import annotations
 
-import json
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import backends, model, workload
-from .errors import WorkloadError
+from .errors import BackendUnavailable, WorkloadError
 
 PROBE_TIMEOUT_S = 120
 
@@ -19,23 +17,12 @@ PROBE_TIMEOUT_S = 120
 def probe(spec: backends.BackendSpec) -> dict[str, Any]:
     """``{"version", "devices"}`` from the backend's own interpreter, or ``{"error": ...}``."""
     from .runner import python_for, worker_environ
+    from .worker import probe_in
 
-    env = worker_environ(spec)
     try:
-        proc = subprocess.run([python_for(spec), "-m", "benchbackend.worker", "--probe", spec.name],
-                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"error": str(exc).splitlines()[0]}
-    for line in proc.stdout.splitlines():
-        try:
-            msg = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "devices" in msg:
-            return msg
-        if msg.get("type") in ("error", "unavailable"):
-            return {"error": msg.get("message", "probe failed")}
-    return {"error": (proc.stderr.strip().splitlines() or ["probe failed"])[-1]}
+        return probe_in(python_for(spec), spec.name, worker_environ(spec), PROBE_TIMEOUT_S)
+    except BackendUnavailable as exc:
+        return {"error": str(exc)}
 
 
 def render(probe_devices: bool = True) -> str:

@@ -140,6 +140,34 @@ def run_job(job: dict[str, Any], emit: Emit) -> None:
               "accuracy": accuracy(np.asarray(scores), arrays["y_test"]), "peak_rss_mb": peak_rss_mb()})
 
 
+def probe_in(python: str, backend: str, env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run ``python -m benchbackend.worker --probe BACKEND``: ``{"version", "devices"}``.
+
+    Raises ``BackendUnavailable`` with one line saying why (the worker's own error, the last
+    stderr line, or the exit status) when the probe cannot run or fails.
+    """
+    import subprocess
+
+    from .errors import BackendUnavailable
+
+    try:
+        proc = subprocess.run([python, "-m", "benchbackend.worker", "--probe", backend], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BackendUnavailable(f"could not run: {str(exc).splitlines()[0]}") from None
+    error = ""
+    for line in proc.stdout.splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if proc.returncode == 0 and "devices" in msg:
+            return msg
+        error = msg.get("message", "") or error
+    stderr = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    raise BackendUnavailable(error or (stderr[-1].strip() if stderr else f"exit status {proc.returncode}"))
+
+
 def _probe(name: str) -> dict[str, Any]:
     cls = _backend_class(name, "gpu")
     return cls.probe()
