@@ -99,17 +99,22 @@ kill -9 $$
 """
 
 
-def test_crashed_worker_keeps_rows_and_stderr_tail(tmp_path, monkeypatch):
+def run_with_fake_interpreter(tmp_path, monkeypatch, script: str, repeats: int):
+    """A real Runner whose workers are started by ``script`` instead of Python."""
     from benchbackend import runner, workload
 
     fake = tmp_path / "fakepython"
-    fake.write_text(FAKE_WORKER)
+    fake.write_text(script)
     fake.chmod(0o755)
     monkeypatch.setattr(runner, "python_for", lambda spec: str(fake))
     w = workload.load("mnist").with_overrides(limit=64, epochs=1)
-    plan = runner.RunPlan(workloads=[w], backends=["numpy"], repeats=2, data_source="synthetic",
+    plan = runner.RunPlan(workloads=[w], backends=["numpy"], repeats=repeats, data_source="synthetic",
                           output=tmp_path / "c.csv")
-    cells = runner.Runner(plan).run()
+    return runner.Runner(plan).run()
+
+
+def test_crashed_worker_keeps_rows_and_stderr_tail(tmp_path, monkeypatch):
+    cells = run_with_fake_interpreter(tmp_path, monkeypatch, FAKE_WORKER, repeats=2)
     assert [c.status for c in cells] == ["crashed", "crashed"]
     df = results.read(tmp_path / "c.csv")
     assert len(df[df.phase == "train_epoch"]) == 2  # the measured epochs survive the crash
@@ -164,15 +169,7 @@ def test_gpu_request_without_gpu_is_unavailable(tmp_path):
 
 
 def test_an_interpreter_that_dies_at_once_is_a_crashed_row(tmp_path, monkeypatch):
-    from benchbackend import runner, workload
-
-    fake = tmp_path / "notpython"
-    fake.write_text("#!/bin/sh\necho 'no such module: benchbackend' >&2\nexit 3\n")
-    fake.chmod(0o755)
-    monkeypatch.setattr(runner, "python_for", lambda spec: str(fake))
-    w = workload.load("mnist").with_overrides(limit=64, epochs=1)
-    plan = runner.RunPlan(workloads=[w], backends=["numpy"], repeats=1, data_source="synthetic",
-                          output=tmp_path / "d.csv")
-    cells = runner.Runner(plan).run()
+    script = "#!/bin/sh\necho 'no such module: benchbackend' >&2\nexit 3\n"
+    cells = run_with_fake_interpreter(tmp_path, monkeypatch, script, repeats=1)
     assert [c.status for c in cells] == ["crashed"]
     assert "exited with code 3" in cells[0].message and "no such module" in cells[0].message
