@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .workload import Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from .workload import Conv2D, Dense, Flatten, MaxPool2D, Workload
 
 
 def same_pads(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -141,16 +141,6 @@ def nhwc_to_nchw_rows(h: int, w: int, c: int) -> np.ndarray:
     """
     cc, hh, ww = np.meshgrid(np.arange(c), np.arange(h), np.arange(w), indexing="ij")
     return ((hh * w + ww) * c + cc).reshape(-1)
-
-
-def summary(workload: Workload) -> dict[str, Any]:
-    layers = describe(workload)
-    return {"params": sum(li.params for li in layers), "flops_per_sample": sum(li.flops for li in layers),
-            "layers": [(li.kind, li.out_shape, li.params) for li in layers]}
-
-
-def has_dropout(workload: Workload) -> bool:
-    return any(isinstance(layer, Dropout) for layer in workload.model)
 
 
 def final_softmax(layers: Sequence[Any]) -> bool:
