@@ -75,23 +75,63 @@ def parity_mismatch(max_abs: float, max_rel: float, rtol: float, atol: float) ->
     return f"forward output differs from the NumPy reference: max abs {max_abs:.3g}, max rel {max_rel:.3g} > rtol {rtol:g}"
 
 
-def cell_status(rows: Sequence[dict[str, Any]], workload: Any) -> tuple[str, str]:
-    """Final (status, message) of one cell from its worker rows (runner-level statuses aside)."""
+def trajectory(msg: dict[str, Any], workload: Any) -> dict[str, Any]:
+    """The trajectory row (``--parity-steps``) decided from the worker's raw per-step losses.
+
+    Adds ``parity_step`` (the first step whose loss differs from the reference's by more than
+    ``checks.trajectory_rtol``, relative, or is not finite), the largest errors, and a message.
+    """
+    losses, ref = list(msg.get("losses") or []), list(msg.get("reference_losses") or [])
+    rtol = workload.checks.trajectory_rtol
+    errs = [abs(a - b) for a, b in zip(losses, ref)]
+    rels = [e / max(abs(b), 1e-12) for e, b in zip(errs, ref)]
+    first = next((i + 1 for i, (a, r) in enumerate(zip(losses, rels)) if not math.isfinite(a) or r > rtol), None)
+    out = {k: v for k, v in msg.items() if k not in ("losses", "reference_losses")}
+    out.update(parity_step=first, parity_max_abs=max(errs) if errs else None,
+               parity_max_rel=max(rels) if rels else None, steps=len(losses))
+    out["message"] = (f"{len(losses)} steps agree within {rtol:g}" if first is None else
+                      f"training loss diverges from the reference at step {first}: "
+                      f"{losses[first - 1]:.6g} vs {ref[first - 1]:.6g} (rtol {rtol:g})")
+    return out
+
+
+def diverged(losses: Sequence[Optional[float]], factor: float) -> Optional[str]:
+    """A message when a finite training loss exploded: ``factor`` times the first epoch's, or more."""
+    finite_losses = [x for x in losses if x is not None and math.isfinite(x)]
+    if len(finite_losses) < 2:
+        return None
+    first = max(abs(finite_losses[0]), 1e-12)
+    for i, loss in enumerate(finite_losses[1:], start=2):
+        if abs(loss) >= factor * first:
+            return f"training loss exploded to {loss:.3g} at epoch {i} ({abs(loss) / first:.2g}x the first epoch's {finite_losses[0]:.3g})"
+    return None
+
+
+def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = "fp32") -> tuple[str, str]:
+    """Final (status, message) of one cell from its worker rows (runner-level statuses aside).
+
+    Order: ``nan_loss``, ``diverged``, ``parity_mismatch`` (forward at the precision's tolerance,
+    then the trajectory), ``chance_accuracy`` (only for cells that trained).
+    """
     epochs = [r for r in rows if r.get("phase") == "train_epoch"]
-    msg = nan_loss([r.get("loss") for r in epochs])
+    losses = [r.get("loss") for r in epochs]
+    msg = nan_loss(losses)
     if msg:
         return "nan_loss", msg
+    msg = diverged(losses, workload.checks.divergence_factor)
+    if msg:
+        return "diverged", msg
+    tol = workload.checks.tolerance(precision)
     for r in rows:
         if r.get("phase") != "parity":
             continue
         if r.get("steps"):  # trajectory check: parity_step is the first diverging step, if any
-            if r.get("parity_step") is not None:
+            if finite(r.get("parity_step")):
                 return "parity_mismatch", r.get("message") or f"training diverges from the reference at step {r['parity_step']}"
         elif r.get("parity_max_rel") is not None:
-            msg = parity_mismatch(r["parity_max_abs"], r["parity_max_rel"], workload.checks.parity_rtol,
-                                  workload.checks.parity_atol)
+            msg = parity_mismatch(r["parity_max_abs"], r["parity_max_rel"], tol.rtol, tol.atol)
             if msg:
-                return "parity_mismatch", msg
+                return "parity_mismatch", f"{msg} ({precision})"
     if epochs:
         last = epochs[-1]
         n_val = int(last.get("val_samples") or 0)

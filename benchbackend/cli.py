@@ -12,9 +12,9 @@ from typing import Optional
 
 import click
 
+from . import backends as registry
 from .errors import BackendUnavailable, BenchError, DataError, EnvError, ResultsError, WorkloadError
 
-BACKEND_NAMES = ("numpy", "torch", "tensorflow", "plaidml")
 DEFAULT_BACKENDS = ("torch", "tensorflow")
 
 
@@ -42,12 +42,18 @@ def main() -> None:
 
 @main.command()
 @click.argument("workloads", nargs=-1, required=True, metavar="WORKLOAD...")
-@click.option("-b", "--backend", "backends_", multiple=True, type=click.Choice(BACKEND_NAMES),
-              help="Backend to run (repeatable). Default: torch and tensorflow.")
+@click.option("-b", "--backend", "backends_", multiple=True, metavar="NAME",
+              help=f"Backend to run (repeatable): {', '.join(registry.BACKENDS)}. Default: torch and tensorflow "
+                   "(or the backends --mode names).")
+@click.option("--mode", "modes", multiple=True, metavar="[BACKEND:]MODE",
+              help="Execution mode (repeatable): BACKEND:MODE, or a bare MODE for every backend that has it. "
+                   "Default: each backend's first mode. `benchbackend list` shows them.")
+@click.option("--precision", "precisions", multiple=True, metavar="[BACKEND:]PRECISION",
+              help="fp32 (default), bf16, fp16, fp64 (repeatable); a backend without it gets an `unavailable` row.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, gpu, or a backend's own device id (e.g. a PlaidML device).")
 @click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(1),
-              help="Repeats per workload and backend, each in a fresh process.")
+              help="Repeats per cell, each in a fresh process.")
 @click.option("--epochs", type=click.IntRange(1), help="Override the workload's epochs.")
 @click.option("--limit", type=click.IntRange(1), help="Cap training samples (validation/test shrink in proportion).")
 @click.option("--seed", type=int, help="Override the workload's seed (weights, data, order).")
@@ -56,23 +62,33 @@ def main() -> None:
                                       "generated, learnable, offline; auto: real if present.")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), envvar="BENCHBACKEND_DATA",
               help="Where data files live [env: BENCHBACKEND_DATA; default: ~/.cache/benchbackend/data].")
+@click.option("--threads", type=click.IntRange(1), help="Intra-op threads for every backend (OpenMP/MKL too). "
+                                                         "Default: all cores. Recorded in the `threads` column.")
+@click.option("--inference-only", is_flag=True, help="Skip training: build, shared weights, parity, inference passes.")
+@click.option("--steps-per-execution", type=click.IntRange(1), default=32, show_default=True,
+              help="Training steps per dispatch for modes that batch them (jax:scan).")
+@click.option("--tune-trials", type=click.IntRange(1), default=64, show_default=True,
+              help="Schedule-search budget for tuning modes (tvm:tuned).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per worker before it is killed.")
 @click.option("--parity-steps", default=0, type=click.IntRange(0), show_default=True,
               help="Also compare the first K training steps' losses with the reference (dropout off).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="CSV to write. Default: results/<timestamp>-<workloads>.csv")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write plots next to the CSV.")
-def run(workloads: tuple[str, ...], backends_: tuple[str, ...], device: str, repeats: int, epochs: Optional[int],
-        limit: Optional[int], seed: Optional[int], data_source: str, data_dir: Optional[Path],
-        timeout: Optional[float], parity_steps: int, output: Optional[Path], plots: bool) -> None:
-    """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend.
+def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
+        device: str, repeats: int, epochs: Optional[int], limit: Optional[int], seed: Optional[int], data_source: str,
+        data_dir: Optional[Path], threads: Optional[int], inference_only: bool, steps_per_execution: int,
+        tune_trials: int, timeout: Optional[float], parity_steps: int, output: Optional[Path], plots: bool) -> None:
+    """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend, mode and precision.
 
     \b
     Examples:
       benchbackend run mnist --backend torch --data synthetic
       benchbackend run cifar10 mnist -b torch -b tensorflow --repeats 3 --epochs 2 --limit 2000 --data synthetic
+      benchbackend run cifar10 -b torch --mode torch:eager --precision fp32 --precision bf16
       benchbackend run path/to/my_workload.yaml -b tensorflow
     """
+    from . import plan as planning
     from . import results, runner, workload
 
     try:
@@ -84,13 +100,17 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], device: str, rep
                 describe(w)
             except ValueError as exc:
                 raise WorkloadError(f"{w.name}: {exc}") from None
-        names = list(dict.fromkeys(backends_ or DEFAULT_BACKENDS))
+        named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
+        names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
+        choices = planning.resolve(names, list(modes), list(precisions))
         runner.check_backends(names)
     except (WorkloadError, BackendUnavailable) as exc:
         raise UsageFailure(str(exc)) from None
     out = output or results.default_path([w.name for w in loaded])
-    plan = runner.RunPlan(workloads=loaded, backends=names, device=device, repeats=repeats, timeout=timeout,
-                          data_source=data_source, data_dir=data_dir, parity_steps=parity_steps, output=out)
+    options = {"threads": threads, "steps_per_execution": steps_per_execution, "tune_trials": tune_trials}
+    plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats, timeout=timeout,
+                            data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
+                            inference_only=inference_only, options=options, output=out)
     try:
         r = runner.Runner(plan, progress=_err)
     except OSError as exc:
@@ -104,11 +124,12 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], device: str, rep
         _err(f"Error: {exc}")
         _err(f"{len(r.writer.rows)} rows written to {out}")
         sys.exit(2)
-    click.echo("\nsummary (steady epoch = median of epochs after the first):")
+    click.echo("\nsummary (steady epoch = median of epochs after the first; inference = median of passes after the first):")
     for cell in cells:
         click.echo("  " + cell.line())
     if r.writer.rows:
-        _report(out, plots=plots, verdict=len({c.backend for c in cells if c.status != "unavailable"}) > 1)
+        _report(out, plots=plots, verdict=len({(c.backend, c.mode, c.precision) for c in cells
+                                               if c.status != "unavailable"}) > 1)
     click.echo(f"results: {out}")
     sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
 
@@ -119,13 +140,13 @@ def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
 
     try:
         df = results.for_comparison(results.read(csv_path))
-        text = compare.compare_frame(df).text
+        outcome = compare.compare_frame(df)
         if verdict:
-            click.echo("\n" + text)
+            click.echo("\n" + outcome.text)
         if plots:
             from . import plots as plotting
 
-            made = plotting.write_report(df, csv_path.with_name(csv_path.stem + "-plots"), summary_text=text)
+            made = plotting.write_report(df, csv_path.with_name(csv_path.stem + "-plots"), summary_text=outcome.text)
             if made:
                 click.echo(f"plots: {made[-1].parent}")
     except Exception as exc:  # a convenience after the fact: never lose the run over it
@@ -134,11 +155,12 @@ def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
 
 @main.command(name="list")
 @click.option("--no-probe", is_flag=True, help="Skip asking each installed backend for its devices (faster).")
-def list_(no_probe: bool) -> None:
-    """Show the workloads and the backends: installed or not, version, devices seen."""
+@click.option("--markdown", is_flag=True, help="Print the backends as the README's Markdown table and exit.")
+def list_(no_probe: bool, markdown: bool) -> None:
+    """Show the workloads and the backends: installed or not, version, devices, modes, precisions."""
     from . import inventory
 
-    click.echo(inventory.render(probe_devices=not no_probe))
+    click.echo(inventory.markdown_table() if markdown else inventory.render(probe_devices=not no_probe))
 
 
 @main.command()
@@ -164,8 +186,13 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
     from . import compare as cmp
 
     try:
-        outcome = cmp.run_compare(list(paths), baseline=baseline, candidate=candidate, fmt=fmt, plots=plots,
+        outcome = cmp.run_compare(list(paths), baseline=baseline, candidate=candidate, fmt=fmt,
                                   skip_bad=skip_bad, fail_on_regression=fail_on_regression)
+        if plots is not None and outcome.frame is not None:
+            from . import plots as plotting
+
+            made = plotting.write_report(outcome.frame, Path(plots), summary_text=outcome.table_text)
+            _err(f"report: {made[-1]}")
     except ResultsError as exc:
         raise UsageFailure(str(exc)) from None
     click.echo(outcome.text)
@@ -175,21 +202,24 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
 
 
 @main.command()
-@click.argument("backend", type=click.Choice(["plaidml"]))
+@click.argument("backend", type=click.Choice(sorted(registry.isolated_envs())))
 @click.option("--path", type=click.Path(file_okay=False, path_type=Path),
               help="Where to build the environment [default: ~/.local/share/benchbackend/envs/NAME, "
-                   "or $BENCHBACKEND_ENVS/NAME].")
+                   "or $BENCHBACKEND_ENVS/NAME]. A folder benchbackend did not create is never touched.")
 @click.option("--check", is_flag=True, help="Report the environment's state without changing anything.")
 def setup(backend: str, path: Optional[Path], check: bool) -> None:
     """Build (or repair, or reuse) the isolated environment a backend needs.
 
-    PlaidML 0.7 needs Keras 2.2.4 and cannot share an environment with TensorFlow 2, so it runs
-    from its own virtual environment; `run -b plaidml` then uses it automatically.
+    A backend whose pins clash with the main environment (PlaidML 0.7 needs Keras 2.2.4; Chainer
+    7.8.1 needs numpy<2) runs from a virtual environment of its own, built from
+    configs/<name>-requirements.txt; `run -b NAME` then uses it automatically.
     """
     from . import envs
 
+    spec = registry.BACKENDS[registry.isolated_envs()[backend]]
+    probe = envs.Probe(spec.name, spec.target, spec.env("cpu"))
     try:
-        status = envs.setup(backend, path=path, check=check, log=_err)
+        status = envs.setup(backend, probe, path=path, check_only=check, log=_err)
     except EnvError as exc:
         _err(f"Error: {exc}")
         sys.exit(1)

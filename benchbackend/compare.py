@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import glob
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +19,7 @@ import pandas as pd
 
 from . import results, stats, tables
 from .errors import ResultsError
-from .stats import CONTEXT_KEYS, GROUP_KEYS
+from .stats import CONTEXT_KEYS, GROUP_KEYS, label
 
 FORMATS = ("table", "markdown", "csv", "json")
 MIN_REPEATS = 3
@@ -38,7 +38,9 @@ class CompareOutcome:
     text: str
     warnings: list[str]
     exit_code: int
-    plot_files: list[Path] = field(default_factory=list)
+    #: The rows compared (for ``plots.write_report``) and the terminal table of them.
+    frame: Optional[pd.DataFrame] = None
+    table_text: str = ""
 
 
 def _expand(paths: list[str]) -> list[str]:
@@ -54,11 +56,6 @@ def _expand(paths: list[str]) -> list[str]:
         else:
             out.append(raw)
     return out
-
-
-def label(backend: str, mode: str) -> str:
-    """How a group is named in tables and plots: ``torch`` or ``tensorflow:tf.function``."""
-    return f"{backend}:{mode}" if mode else backend
 
 
 def group_name(key: tuple) -> str:
@@ -242,15 +239,18 @@ def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate
     :func:`run_compare` for the arguments."""
     _check_format(fmt)
     groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, [])
-    return CompareOutcome(text=tables.render(groups, fmt, warnings), warnings=warnings, exit_code=code)
+    text = tables.render(groups, fmt, warnings)
+    return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df,
+                          table_text=text if fmt == "table" else tables.render(groups, "table", warnings))
 
 
 def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tuple[str, ...] = (),
-                fmt: str = "table", plots: str | None = None, skip_bad: bool = False,
+                fmt: str = "table", skip_bad: bool = False,
                 fail_on_regression: float | None = None) -> CompareOutcome:
     """Read results CSVs (files, directories, globs) and compare backends.
 
-    ``fmt`` is table, markdown, csv or json. ``plots`` names a folder for PNGs and an index.html.
+    ``fmt`` is table, markdown, csv or json. The outcome carries the rows and the terminal table,
+    which ``plots.write_report`` draws.
     ``skip_bad`` goes on without unreadable files (each becomes a warning). ``fail_on_regression``
     sets exit_code 3 when a ``candidate`` backend (every non-baseline one when none is named) takes
     more than that factor times the baseline's median time, in training or inference.
@@ -261,10 +261,6 @@ def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tup
     df = results.for_comparison(df)
     notes = [f"skipped {msg}" for msg in skipped]
     groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, notes)
-    outcome = CompareOutcome(text=tables.render(groups, fmt, warnings), warnings=warnings, exit_code=code)
-    if plots is not None:
-        from . import plots as plotting
-
-        text = outcome.text if fmt == "table" else tables.render(groups, "table", warnings)
-        outcome.plot_files = plotting.write_report(df, Path(plots), summary_text=text)
-    return outcome
+    text = tables.render(groups, fmt, warnings)
+    return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df,
+                          table_text=text if fmt == "table" else tables.render(groups, "table", warnings))

@@ -29,9 +29,19 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from .errors import EnvError
+from .paths import configs_dirs, envs_root
 
-#: Isolated environments this product knows: env name -> backend whose probe verifies it.
-ENVS: dict[str, str] = {"plaidml": "plaidml"}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How to verify an environment: the adapter (``module:Class``) whose device probe must run in
+    it, and the environment variables that backend's worker gets. The caller (which knows the
+    registry) supplies it, so this module never imports a backend."""
+
+    backend: str
+    target: str
+    env: Mapping[str, str] = field(default_factory=dict)
 #: What ``benchbackend.worker`` itself imports (keep in step with pyproject's dependencies).
 WORKER_REQUIREMENTS: tuple[str, ...] = ("numpy>=1.23", "pyyaml>=6", "pydantic>=2.5")
 MARKER = "benchbackend-env.json"
@@ -47,15 +57,6 @@ def _quiet(message: str) -> None:
 
 
 # --- where things are ----------------------------------------------------------------------
-def envs_root() -> Path:
-    """The folder holding the isolated environments (and ``<name>.location`` pointers)."""
-    env = os.environ.get("BENCHBACKEND_ENVS")
-    if env:
-        return Path(env).expanduser()
-    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(data).expanduser() / "benchbackend" / "envs"
-
-
 def _pointer(name: str) -> Path:
     return envs_root() / f"{name}.location"
 
@@ -77,12 +78,6 @@ def _python_in(env: Path) -> Path:
 def python_for(name: str) -> Path:
     """The interpreter of environment ``name`` (``<env>/bin/python``); it may not exist yet."""
     return _python_in(env_dir(name))
-
-
-def configs_dirs() -> list[Path]:
-    """Where ``configs/`` is looked up: next to the package (a checkout), then the working dir."""
-    return [Path(__file__).resolve().parent.parent / "configs", Path.cwd() / "configs",
-            Path(sys.prefix) / "share" / "benchbackend" / "configs"]  # the last: a non-editable install
 
 
 def requirements_file(name: str) -> Path:
@@ -196,17 +191,17 @@ def worker_env(base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     return env
 
 
-def probe(name: str, env: Optional[Path] = None, timeout: float = _PROBE_TIMEOUT_S) -> dict[str, Any]:
+def probe(name: str, check: Probe, env: Optional[Path] = None, timeout: float = _PROBE_TIMEOUT_S) -> dict[str, Any]:
     """Run the worker's ``--probe`` in environment ``name``: ``{"version", "devices"}``.
 
     Raises ``EnvError`` with the worker's own error line when the probe fails.
     """
     from .errors import BackendUnavailable
-    from .worker import probe_in
+    from .launch import probe_in
 
     python = _python_in(env or env_dir(name))
     try:
-        return probe_in(str(python), _backend_for(name), worker_env(), timeout)
+        return probe_in(str(python), check.target, {**worker_env(), **check.env}, timeout)
     except BackendUnavailable as exc:
         raise EnvError(f"the {name} device probe failed: {exc}") from None
 
@@ -214,13 +209,6 @@ def probe(name: str, env: Optional[Path] = None, timeout: float = _PROBE_TIMEOUT
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
-
-
-def _backend_for(name: str) -> str:
-    try:
-        return ENVS[name]
-    except KeyError:
-        raise EnvError(f"unknown environment '{name}'; known: {', '.join(ENVS)}") from None
 
 
 # --- status and setup ------------------------------------------------------------------------
@@ -235,18 +223,17 @@ class EnvStatus:
     message: str = ""
 
 
-def status(name: str, path: Optional[Path] = None, verify: bool = True) -> EnvStatus:
+def status(name: str, check: Probe, path: Optional[Path] = None, verify: bool = True) -> EnvStatus:
     """The state of environment ``name`` (at ``path`` if given); changes nothing.
 
     With ``verify`` the device probe runs inside the env (about a second); without it the
     devices come from the marker that the last successful setup wrote.
     """
-    _backend_for(name)
     env = Path(path).expanduser().absolute() if path else env_dir(name)
     st = EnvStatus(name, env, _python_in(env), ready=False)
     problem = _marker_problem(name, env)
     if _python_in(env).exists():
-        names = _requirement_names(name) if _requirements_digest(name) else [ENVS[name]]
+        names = _requirement_names(name) if _requirements_digest(name) else [check.backend]
         st.versions = {d: v for d in names if (v := _dist_version(env, d))}
     if problem:
         st.message = f"not ready: {problem}; run `benchbackend setup {name}`"
@@ -254,30 +241,29 @@ def status(name: str, path: Optional[Path] = None, verify: bool = True) -> EnvSt
     st.devices = list((_read_marker(env) or {}).get("devices", []))
     if verify:
         try:
-            st.devices = list(probe(name, env)["devices"])
+            st.devices = list(probe(name, check, env)["devices"])
         except EnvError as exc:
             st.message = f"broken: {exc}; run `benchbackend setup {name}` to repair it"
             return st
     st.ready = True
-    version = st.versions.get(ENVS[name], "?")
-    st.message = f"ready: {ENVS[name]} {version} at {env}; devices: {', '.join(st.devices) or 'none'}"
+    version = st.versions.get(check.backend, "?")
+    st.message = f"ready: {check.backend} {version} at {env}; devices: {', '.join(st.devices) or 'none'}"
     return st
 
 
-def setup(name: str, *, path: Optional[Path] = None, check: bool = False,
+def setup(name: str, check: Probe, *, path: Optional[Path] = None, check_only: bool = False,
           log: Callable[[str], None] = _quiet) -> EnvStatus:
     """Build (or reuse, or repair) the isolated environment ``name``; return its status.
 
     A healthy env is reused without reinstalling. An incomplete or outdated one gets the pins
-    installed over it; when the probe still fails, it is rebuilt from scratch once. ``check``
+    installed over it; when the probe still fails, it is rebuilt from scratch once. ``check_only``
     reports the state and changes nothing. Failures raise ``EnvError`` naming the step and the log.
     """
-    if check:
-        return status(name, path, verify=True)
-    _backend_for(name)
+    if check_only:
+        return status(name, check, path, verify=True)
     env = Path(path).expanduser().absolute() if path else env_dir(name)
     if _marker_problem(name, env) is None:
-        st = status(name, env, verify=True)
+        st = status(name, check, env, verify=True)
         if st.ready:
             log(f"{name}: reusing the environment at {env}")
             _remember(name, env)
@@ -288,19 +274,19 @@ def setup(name: str, *, path: Optional[Path] = None, check: bool = False,
     logfile.write_text(f"# benchbackend setup {name} at {env}, {datetime.datetime.now().isoformat()}\n")
     rebuilt = _prepare(name, env, logfile, log)
     try:
-        info = _install_and_probe(name, env, logfile, log)
+        info = _install_and_probe(name, check, env, logfile, log)
     except EnvError:
         if rebuilt:
             raise
         log(f"{name}: still broken after installing the pins; rebuilding it from scratch")
         _prepare(name, env, logfile, log, fresh=True)
-        info = _install_and_probe(name, env, logfile, log)
+        info = _install_and_probe(name, check, env, logfile, log)
     marker = {"name": name, "requirements": _requirements_digest(name), "version": info.get("version"),
               "devices": info.get("devices", []), "python": _python_version(env),
               "built": datetime.datetime.now().isoformat(timespec="seconds")}
     (env / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     _remember(name, env)
-    st = status(name, env, verify=False)
+    st = status(name, check, env, verify=False)
     log(f"{name}: {st.message}")
     return st
 
@@ -322,14 +308,14 @@ def _prepare(name: str, env: Path, logfile: Path, log: Callable[[str], None], fr
     return True
 
 
-def _install_and_probe(name: str, env: Path, logfile: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def _install_and_probe(name: str, check: Probe, env: Path, logfile: Path, log: Callable[[str], None]) -> dict[str, Any]:
     req = requirements_file(name)
     log(f"{name}: installing {req} and the worker's imports (pip log: {logfile})")
     _run([str(_python_in(env)), "-m", "pip", "install", "--no-input", "-r", str(req), *WORKER_REQUIREMENTS],
          logfile, f"pip install into the {name} environment", _PIP_TIMEOUT_S)
-    log(f"{name}: verifying: listing the devices {ENVS[name]} sees")
+    log(f"{name}: verifying: listing the devices {check.backend} sees")
     try:
-        info = probe(name, env)
+        info = probe(name, check, env)
     except EnvError as exc:
         with open(logfile, "a") as f:
             f.write(f"\n# probe\n{exc}\n")

@@ -16,11 +16,11 @@ PROBE_TIMEOUT_S = 120
 
 def probe(spec: backends.BackendSpec) -> dict[str, Any]:
     """``{"version", "devices"}`` from the backend's own interpreter, or ``{"error": ...}``."""
+    from .launch import probe_in
     from .runner import python_for, worker_environ
-    from .worker import probe_in
 
     try:
-        return probe_in(python_for(spec), spec.name, worker_environ(spec), PROBE_TIMEOUT_S)
+        return probe_in(python_for(spec), spec.target, worker_environ(spec), PROBE_TIMEOUT_S)
     except BackendUnavailable as exc:
         return {"error": str(exc)}
 
@@ -56,5 +56,21 @@ def render(probe_devices: bool = True) -> str:
         else:
             devices = "devices: (not probed)"
         lines.append(f"  {s.name:<11} {backends.version(s) or p.get('version', ''):<16} {devices}")
-        lines.append(f"  {'':<11} {s.description}")
+        lines.append(f"  {'':<11} {s.description}{'' if s.trains else ' (inference only)'}")
+    lines += ["", "Modes (the first is the default) and precisions:"]
+    for s in specs:
+        lines.append(f"  {s.name:<11} precisions: {', '.join(s.precisions)}")
+        for m in s.modes:
+            lines.append(f"  {'':<13}{m.name:<16} {m.description}")
     return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """The README's backend table, from the registry (a test keeps the README in step)."""
+    rows = ["| backend | what | trains | modes (first = default) | precisions | install |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for s in backends.BACKENDS.values():
+        modes = ", ".join(f"`{m.name}`" for m in s.modes)
+        rows.append(f"| `{s.name}` | {s.description} | {'yes' if s.trains else 'no'} | {modes} | "
+                    f"{', '.join(s.precisions)} | `{s.install}` |")
+    return "\n".join(rows)

@@ -16,7 +16,7 @@ import pandas as pd
 
 from . import stats
 from .errors import ResultsError
-from .stats import CONTEXT_KEYS, GROUP_KEYS
+from .stats import CONTEXT_KEYS, GROUP_KEYS, label
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -29,7 +29,7 @@ DPI = 120
 
 
 def _label(key: tuple) -> str:
-    return f"{key[2]}:{key[3]}" if key[3] else key[2]
+    return label(key[2], key[3])
 
 
 def _colors(labels: list[str]) -> dict[str, Any]:
@@ -227,18 +227,14 @@ def _index_html(images: list[Path], summary_text: str, sources: list[str]) -> st
     return "\n".join(parts) + "\n"
 
 
-def write_report(df: pd.DataFrame, out_dir: Path, summary_text: str = "") -> list[Path]:
+def write_report(df: pd.DataFrame, out_dir: Path, summary_text: str) -> list[Path]:
     """Write the figures as PNGs and an index.html showing them under the summary table.
 
-    ``summary_text`` is the table to show (by default the terminal table of ``compare``). Returns
-    the paths written, PNGs first, index.html last. Raises ResultsError when ``out_dir`` is not
-    writable.
+    ``summary_text`` is the table to show (``compare``'s text: this module draws, it does not
+    compare). Returns the paths written, PNGs first, index.html last. Raises ResultsError when
+    ``out_dir`` is not writable.
     """
     out_dir = Path(out_dir)
-    if not summary_text:
-        from .compare import compare_frame
-
-        summary_text = compare_frame(df).text
     written: list[Path] = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

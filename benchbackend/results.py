@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 
 from .errors import ResultsError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Fixed columns, in this order; see README "CSV columns".
 BASE_COLUMNS = [
@@ -26,15 +26,19 @@ BASE_COLUMNS = [
 ]
 #: Added columns (schema 1): parity errors, model size, memory.
 EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
-                 "peak_rss_mb", "steps", "requested_device"]
+                 "peak_rss_mb", "steps", "requested_device",
+                 # schema 2: the matrix's precision, threads used, data source, inference-only cells
+                 "precision", "threads", "data_source", "inference_only"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
-PHASES = ("build", "parity", "train_epoch", "inference", "run")
-#: Cell statuses, best first; "worst" is the highest index.
-STATUSES = ("ok", "parity_mismatch", "chance_accuracy", "nan_loss", "unavailable", "timeout", "crashed")
+PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
+#: Cell statuses, best first; "worst" is the highest index. ``pending``: the cell had not ended
+#: when the row was written (a parent killed outright leaves it so).
+STATUSES = ("ok", "parity_mismatch", "chance_accuracy", "diverged", "nan_loss", "unavailable", "timeout",
+            "interrupted", "crashed", "pending")
 NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy", "val_loss",
            "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
-           "peak_rss_mb", "steps"]
+           "peak_rss_mb", "steps", "threads"]
 
 
 def worst_status(statuses: Iterable[str]) -> str:
@@ -183,14 +187,21 @@ def for_comparison(df: "Any") -> "Any":
       comparisons are between backends asked to use the same device.
     - ``mode`` is blanked for a backend that ran in one mode only, so it is named ``torch``
       rather than ``torch:eager``; a backend seen in several modes keeps them apart.
+    - a precision other than fp32 is part of the group's name: ``torch@bf16``, ``torch:compile@bf16``
+      (schema-1 files, which have no precision, ran fp32).
     """
     out = df.copy()
+    if "precision" in out.columns:
+        out["precision"] = out["precision"].astype(str).replace("", "fp32")
     if "requested_device" in out.columns:
         asked = out["requested_device"].astype(str)
         out["device"] = asked.where(asked != "", out["device"])
     if "mode" in out.columns:
         modes = out.groupby("backend")["mode"].transform("nunique")
         out["mode"] = out["mode"].where(modes > 1, "")
+        if "precision" in out.columns:
+            tagged = out["mode"] + "@" + out["precision"]
+            out["mode"] = out["mode"].where(out["precision"] == "fp32", tagged)
     return out
 
 

@@ -1,19 +1,16 @@
-"""Plans the matrix (workload x backend x repeat) and runs each cell in a fresh worker process.
+"""Runs a plan: prepares the data, hands the cells to an executor, writes every row as it arrives.
 
-Rows are written to the CSV as the worker streams them; a crash, a timeout or Ctrl-C loses
-nothing already measured. When a cell ends, the checks give it a final status, which every row
-of the cell carries.
+The runner is the sink every executor reports to. A cell's rows are written to the CSV the moment
+the worker sends them, with the provisional status ``pending``; when the cell ends, ``checks``
+decides its status and every row of the cell is rewritten with it. A crash, a timeout, Ctrl-C
+(``interrupted``, only for the cell that was running) or a parent killed outright loses nothing
+already measured, and never leaves a partial cell marked ``ok``.
 """
 from __future__ import annotations
 
-import json
 import os
-import queue
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,47 +20,42 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import backends, checks, data, model, results
-from .errors import BackendUnavailable
+from .launch import Outcome
+from .paths import PACKAGE_PARENT
+from .plan import Group, RunPlan, groups
 from .workload import Workload
 
 Progress = Callable[[str], None]
-HEARTBEAT_S = 30.0
-PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+PENDING = "pending"
 
 
 @dataclass
 class CellResult:
     workload: str
     backend: str
+    mode: str
+    precision: str
     device: str
     repeat: int
-    status: str = "ok"
+    status: str = PENDING
     message: str = ""
     epoch_seconds: list[float] = field(default_factory=list)
     val_accuracy: Optional[float] = None
     inference_seconds: list[float] = field(default_factory=list)
 
+    @property
+    def label(self) -> str:
+        return f"{self.backend}:{self.mode}/{self.precision}"
+
     def line(self) -> str:
         steady = self.epoch_seconds[1:] or self.epoch_seconds
         epoch = f"epoch {np.median(steady):.3f}s" if steady else "epoch n/a"
         acc = f"val_acc {self.val_accuracy:.3f}" if self.val_accuracy is not None else "val_acc n/a"
-        inf = f"infer {np.median(self.inference_seconds):.3f}s" if self.inference_seconds else "infer n/a"
-        head = f"{self.workload:<10} {self.backend:<11} {self.device:<8} r{self.repeat}"
+        passes = self.inference_seconds[1:] or self.inference_seconds
+        inf = f"infer {np.median(passes):.3f}s" if passes else "infer n/a"
+        head = f"{self.workload:<10} {self.label:<28} {self.device:<8} r{self.repeat}"
         tail = f"  {self.message}" if self.message and self.status != "ok" else ""
         return f"{head}  {self.status:<16} {epoch}  {acc}  {inf}{tail}"
-
-
-@dataclass
-class RunPlan:
-    workloads: list[Workload]
-    backends: list[str]
-    device: str = "cpu"
-    repeats: int = 1
-    timeout: Optional[float] = None
-    data_source: str = "auto"
-    data_dir: Optional[Path] = None
-    parity_steps: int = 0
-    output: Path = Path("results/run.csv")
 
 
 def python_for(spec: backends.BackendSpec) -> str:
@@ -76,60 +68,65 @@ def python_for(spec: backends.BackendSpec) -> str:
     return sys.executable
 
 
-def worker_environ(spec: backends.BackendSpec) -> dict[str, str]:
-    """Environment of a worker: an isolated env must not see the main env's packages."""
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+               "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+
+
+def worker_environ(spec: backends.BackendSpec, device: str = "cpu", threads: Optional[int] = None) -> dict[str, str]:
+    """The worker's environment: the backend's variables set unconditionally (a user's exported
+    ``KERAS_BACKEND`` cannot pick another framework), thread counts, and a PYTHONPATH that shows
+    an isolated env nothing of the main env's packages."""
     if spec.isolated_env:
         from . import envs
 
-        return envs.worker_env()
-    path = os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path)
-
-
-def _tail(text: str, lines: int = 6, chars: int = 600) -> str:
-    kept = [ln.strip() for ln in text.strip().splitlines() if ln.strip()][-lines:]
-    return " | ".join(kept)[-chars:]
+        env = envs.worker_env()
+    else:
+        path = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path)
+    if threads:
+        env.update({var: str(threads) for var in THREAD_VARS})
+    env.update(spec.env(device))
+    return env
 
 
 class Runner:
     """Runs a :class:`RunPlan`; ``progress`` receives human-readable lines (the CLI prints them)."""
 
-    def __init__(self, plan: RunPlan, progress: Progress = lambda s: None):
+    def __init__(self, plan: RunPlan, progress: Progress = lambda s: None, executor: Any = None):
+        from .executors.local import LocalExecutor
+
         self.plan = plan
         self.progress = progress
+        self.executor = executor or LocalExecutor()
         self.run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self.env = results.environment()
         self.writer = results.CsvWriter(plan.output)
         self.cells: list[CellResult] = []
+        self.npz: dict[str, Path] = {}
 
-    # --- rows -------------------------------------------------------------------------------
-    def _base(self, w: Workload, backend: str, repeat: int, info: dict[str, Any]) -> dict[str, Any]:
-        return {"run_id": self.run_id, "workload": w.name, "workload_hash": w.hash(), "backend": backend,
-                "backend_version": info.get("backend_version", ""), "device": info.get("device", self.plan.device),
-                "mode": info.get("mode", ""), "repeat": repeat, "host": self.env["host"], "os": self.env["os"],
-                "python": info.get("python", self.env["python"]), "cpu": self.env["cpu"], "gpu": info.get("gpu", ""),
-                "flops_per_sample": model.flops_per_sample(w), "params": model.param_count(w),
-                "requested_device": self.plan.device}
-
-    def _write(self, base: dict[str, Any], row: dict[str, Any], status: str = "ok") -> dict[str, Any]:
-        full = {**base, **{k: v for k, v in row.items() if k != "type"}}
-        full.setdefault("status", status)
-        full["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self.writer.write(full)
-        return full
-
-    def _status_row(self, base: dict[str, Any], status: str, message: str) -> None:
-        self._write(base, {"phase": "run", "epoch": 0, "status": status, "message": message})
-
-    # --- matrix -----------------------------------------------------------------------------
+    # --- the matrix -------------------------------------------------------------------------
     def run(self) -> list[CellResult]:
         with tempfile.TemporaryDirectory(prefix="benchbackend-") as tmp:
             # All data first: a missing file fails the run before anything is measured.
-            prepared = [(w, self._prepare(w, Path(tmp))) for w in self.plan.workloads]
-            for w, npz in prepared:
-                for name in self.plan.backends:
-                    self._run_backend(w, name, npz)
+            for w in self.plan.workloads:
+                self.npz[w.hash()] = self._prepare(w, Path(tmp))
+            runnable = []
+            for group in groups(self.plan):
+                if not self._precheck(group):
+                    runnable.append(group)
+            self.executor.run(self, runnable)
         return self.cells
+
+    def _precheck(self, group: Group) -> bool:
+        """Write an ``unavailable`` cell for a group that cannot run here; True when it did."""
+        c = group.choice
+        spec = backends.get(c.backend)
+        problem = c.problem or ("" if backends.installed(spec) else f"not installed: {spec.install}")
+        if not problem:
+            return False
+        cell = self.start(group, 1)
+        self.finish(cell, Outcome("unavailable", problem))
+        return True
 
     def _prepare(self, w: Workload, tmp: Path) -> Path:
         """The run's arrays and per-epoch orders, once per workload: every backend gets these."""
@@ -139,6 +136,7 @@ class Runner:
         path = tmp / f"{w.name}-{w.hash()}.npz"
         np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val,
                  x_test=ds.x_test, y_test=ds.y_test, orders=orders)
+        self.data_source = ds.source
         self.progress(f"[{w.name}] {ds.source} data: {len(ds.y_train)} train, {len(ds.y_val)} validation, "
                       f"{len(ds.y_test)} test")
         return path
@@ -147,125 +145,78 @@ class Runner:
         if total and (done == total or done % (8 << 20) < 65536):
             self.progress(f"  downloading {name}: {done / total:.0%} of {total / 1e6:.1f} MB")
 
-    def _run_backend(self, w: Workload, name: str, npz: Path) -> None:
-        spec = backends.get(name)
-        if not backends.installed(spec):
-            cell = CellResult(w.name, name, self.plan.device, 1, "unavailable", f"not installed: {spec.install}")
-            self._status_row(self._base(w, name, 1, {}), cell.status, cell.message)
-            self._report(cell)
-            return
-        for repeat in range(1, self.plan.repeats + 1):
-            cell = self._run_cell(w, spec, repeat, npz)
-            self._report(cell)
-            if cell.status == "unavailable":
-                return  # the other repeats would say the same
+    # --- what executors call ----------------------------------------------------------------
+    def job(self, group: Group, repeat: int) -> dict[str, Any]:
+        """The JSON job of one repeat; paths in it are the driver's (the Ray executor ships the data)."""
+        spec = backends.get(group.choice.backend)
+        return {"workload": group.workload.to_dict(), "backend": spec.name, "target": spec.target,
+                "mode": group.choice.mode, "precision": group.choice.precision, "device": self.plan.device,
+                "repeat": repeat, "data": str(self.npz[group.workload.hash()]),
+                "parity_steps": self.plan.parity_steps, "trains": spec.trains and not self.plan.inference_only,
+                "options": self.plan.options}
 
-    def _report(self, cell: CellResult) -> None:
-        self.cells.append(cell)
-        if cell.status != "ok":
-            self.progress(f"[{cell.workload}/{cell.backend} r{cell.repeat}] {cell.status}: {cell.message}")
+    def launch_args(self, group: Group) -> tuple[str, dict[str, str]]:
+        """(interpreter, environment) of this group's workers, on this machine."""
+        spec = backends.get(group.choice.backend)
+        return python_for(spec), worker_environ(spec, self.plan.device, self.plan.options.get("threads"))
 
-    # --- one cell ---------------------------------------------------------------------------
-    def _run_cell(self, w: Workload, spec: backends.BackendSpec, repeat: int, npz: Path) -> CellResult:
-        job = {"workload": w.to_dict(), "backend": spec.name, "device": self.plan.device, "repeat": repeat,
-               "data": str(npz), "parity_steps": self.plan.parity_steps}
-        cell = CellResult(w.name, spec.name, self.plan.device, repeat)
-        base = self._base(w, spec.name, repeat, {})
-        rows: list[dict[str, Any]] = []
-        tag = f"[{w.name}/{spec.name} r{repeat}/{self.plan.repeats}]"
-        self.progress(f"{tag} starting worker")
-        env = dict(worker_environ(spec), PYTHONUNBUFFERED="1")
-        with tempfile.TemporaryFile("w+") as err:
-            try:
-                proc = subprocess.Popen([python_for(spec), "-m", "benchbackend.worker"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                                        start_new_session=True)
-            except OSError as exc:
-                cell.status, cell.message = "crashed", f"cannot start worker: {exc}"
-                self._status_row(base, cell.status, cell.message)
-                return cell
-            assert proc.stdin and proc.stdout
-            try:
-                proc.stdin.write(json.dumps(job))
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass  # the worker died before reading its job: its exit code and stderr say why
-            lines: "queue.Queue[Optional[str]]" = queue.Queue()
-            threading.Thread(target=lambda: ([lines.put(ln) for ln in proc.stdout], lines.put(None)), daemon=True).start()
-            ended, error = self._pump(lines, proc, w, base, rows, cell, tag)
-            if cell.status == "unavailable":
-                self._status_row(base, cell.status, cell.message)
-                return cell
-            if not ended:  # timeout
-                cell.status = "timeout"
-                err.seek(0)
-                stderr = _tail(err.read())
-                cell.message = f"worker ran past --timeout {self.plan.timeout:g}s" + (f"; stderr: {stderr}" if stderr else "")
-            elif error is not None or proc.returncode != 0:
-                err.seek(0)
-                stderr = _tail(err.read())
-                what = error or f"worker exited with code {proc.returncode}"
-                cell.status, cell.message = "crashed", what + (f"; stderr: {stderr}" if stderr else "")
-        if cell.status in ("timeout", "crashed"):
-            self._status_row(base, cell.status, cell.message)
-        else:
-            cell.status, cell.message = checks.cell_status(rows, w)
-        self.writer.set_status({"run_id": self.run_id, "workload": w.name, "backend": spec.name, "repeat": repeat},
-                               cell.status)
-        return cell
+    def start(self, group: Group, repeat: int) -> "CellState":
+        c = group.choice
+        cell = CellResult(group.workload.name, c.backend, c.mode, c.precision, self.plan.device, repeat)
+        tag = f"[{cell.workload}/{c.backend}:{c.mode}/{c.precision} r{repeat}/{group.repeats}]"
+        w = group.workload
+        base = {"run_id": self.run_id, "workload": w.name, "workload_hash": w.hash(), "backend": c.backend,
+                "mode": c.mode, "precision": c.precision, "device": self.plan.device, "repeat": repeat,
+                **self.env, "flops_per_sample": model.flops_per_sample(w), "params": model.param_count(w),
+                "requested_device": self.plan.device, "data_source": getattr(self, "data_source", ""),
+                "inference_only": self.plan.inference_only or not backends.get(c.backend).trains}
+        return CellState(group, cell, base, tag)
 
-    def _pump(self, lines: "queue.Queue[Optional[str]]", proc: subprocess.Popen, w: Workload,
-              base: dict[str, Any], rows: list[dict[str, Any]], cell: CellResult, tag: str) -> tuple[bool, Optional[str]]:
-        """Read worker messages until it exits. Returns (ended in time, error message or None)."""
-        start = time.monotonic()
-        error: Optional[str] = None
-        try:
-            while True:
-                remaining = None if self.plan.timeout is None else self.plan.timeout - (time.monotonic() - start)
-                if remaining is not None and remaining <= 0:
-                    self._kill(proc)
-                    return False, None
-                try:
-                    line = lines.get(timeout=min(HEARTBEAT_S, remaining) if remaining is not None else HEARTBEAT_S)
-                except queue.Empty:
-                    self.progress(f"{tag} still running ({time.monotonic() - start:.0f}s)")
-                    continue
-                if line is None:
-                    proc.wait()
-                    return True, error
-                error = self._handle(line, w, base, rows, cell, tag) or error
-        except KeyboardInterrupt:
-            self._kill(proc)
-            cell.status, cell.message = "crashed", "interrupted (Ctrl-C)"
-            self._status_row(base, cell.status, cell.message)
-            self.writer.set_status({"run_id": self.run_id, "workload": w.name, "backend": cell.backend,
-                                    "repeat": cell.repeat}, cell.status)
-            raise
-
-    def _handle(self, line: str, w: Workload, base: dict[str, Any], rows: list[dict[str, Any]], cell: CellResult,
-                tag: str) -> Optional[str]:
-        try:
-            msg = json.loads(line)
-        except json.JSONDecodeError:
-            return None  # not protocol output; the worker keeps stdout clean, so ignore strays
+    def message(self, state: "CellState", msg: dict[str, Any]) -> None:
+        """One worker message, as it arrives."""
         kind = msg.get("type")
         if kind == "info":
-            base.update(self._base(w, cell.backend, cell.repeat, msg))
-            cell.device = base["device"]
-            self.progress(f"{tag} {cell.backend} {msg.get('backend_version')} on {cell.device} ({msg.get('mode')})")
+            info = {k: msg[k] for k in ("backend_version", "device", "mode", "precision", "gpu", "python", "threads",
+                                        "host", "os", "cpu") if msg.get(k) not in (None, "")}
+            state.base.update(info)
+            state.cell.device = state.base["device"]
+            self.progress(f"{state.tag} {state.cell.backend} {msg.get('backend_version')} on {state.cell.device} "
+                          f"({msg.get('mode')}, {msg.get('precision')}, {msg.get('threads')} threads)")
         elif kind == "row":
-            status = "nan_loss" if msg.get("phase") == "train_epoch" and not checks.finite(msg.get("loss")) else "ok"
-            rows.append(self._write(base, msg, status))
-            self._progress_row(msg, w, cell, tag)
-        elif kind == "unavailable":
-            cell.status, cell.message = "unavailable", msg.get("message", "")
-        elif kind == "error":
-            tb = _tail(msg.get("traceback", ""), lines=3)
-            return f"{msg.get('message', 'error')} ({tb})" if tb else msg.get("message", "error")
-        return None
+            row = checks.trajectory(msg, state.group.workload) if msg.get("losses") is not None else msg
+            state.rows.append(self._write(state.base, row))
+            self._progress_row(row, state)
 
-    def _progress_row(self, msg: dict[str, Any], w: Workload, cell: CellResult, tag: str) -> None:
-        phase = msg.get("phase")
+    def finish(self, state: "CellState", outcome: Outcome) -> CellResult:
+        """The cell has ended: decide its status, give it to every row of the cell, report it."""
+        cell = state.cell
+        if outcome.status == "done":
+            cell.status, cell.message = checks.cell_status(state.rows, state.group.workload, cell.precision)
+        else:
+            cell.status, cell.message = outcome.status, outcome.message
+            self._write(state.base, {"phase": "run", "epoch": 0, "message": outcome.message})
+        self.writer.set_status({"run_id": self.run_id, "workload": cell.workload, "backend": cell.backend,
+                                "mode": cell.mode, "precision": cell.precision, "repeat": cell.repeat}, cell.status)
+        self.cells.append(cell)
+        if cell.status != "ok":
+            self.progress(f"{state.tag} {cell.status}: {cell.message}")
+        return cell
+
+    def interrupted(self, state: "CellState") -> None:
+        self.finish(state, Outcome("interrupted", "stopped by Ctrl-C while this cell ran"))
+
+    def waiting(self, state: "CellState", seconds: float) -> None:
+        self.progress(f"{state.tag} still running ({seconds:.0f}s)")
+
+    # --- rows -------------------------------------------------------------------------------
+    def _write(self, base: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+        full = {**base, **{k: v for k, v in row.items() if k != "type"}, "status": PENDING}
+        full["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.writer.write(full)
+        return full
+
+    def _progress_row(self, msg: dict[str, Any], state: "CellState") -> None:
+        phase, cell, tag, w = msg.get("phase"), state.cell, state.tag, state.group.workload
         if phase == "train_epoch":
             cell.epoch_seconds.append(msg["seconds"])
             cell.val_accuracy = msg.get("val_accuracy")
@@ -273,28 +224,38 @@ class Runner:
                           f"acc {msg['accuracy']:.3f}  val_acc {msg['val_accuracy']:.3f}  {msg['seconds']:.2f}s  "
                           f"{msg.get('samples_per_s') or 0:.0f} samples/s")
         elif phase == "build":
-            self.progress(f"{tag} built {msg.get('params')} params in {msg['seconds']:.2f}s")
-        elif phase == "parity" and msg.get("parity_max_rel") is not None:
+            extra = f" ({msg['message']})" if msg.get("message") else ""
+            self.progress(f"{tag} built {msg.get('params')} params in {msg['seconds']:.2f}s{extra}")
+        elif phase == "tune":
+            self.progress(f"{tag} tuned in {msg['seconds']:.1f}s: {msg.get('message')}")
+        elif phase == "parity" and msg.get("steps"):
+            self.progress(f"{tag} trajectory: {msg.get('message')}")
+        elif phase == "parity":
             self.progress(f"{tag} parity vs NumPy reference: max abs {msg['parity_max_abs']:.2g}, "
                           f"max rel {msg['parity_max_rel']:.2g}")
-        elif phase == "parity":
-            self.progress(f"{tag} trajectory: {msg.get('message')}")
         elif phase == "inference":
             cell.inference_seconds.append(msg["seconds"])
             if msg["epoch"] == w.inference.repeats:
-                self.progress(f"{tag} inference x{msg['epoch']}: median {np.median(cell.inference_seconds):.3f}s")
+                steady = cell.inference_seconds[1:] or cell.inference_seconds
+                self.progress(f"{tag} inference x{msg['epoch']}: first {cell.inference_seconds[0]:.3f}s, "
+                              f"steady median {np.median(steady):.3f}s")
 
-    @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
+
+@dataclass
+class CellState:
+    """A running cell: its group, result, the columns every row of it carries, its rows so far."""
+
+    group: Group
+    cell: CellResult
+    base: dict[str, Any]
+    tag: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 def check_backends(names: list[str]) -> None:
     """Raise for unknown names, and when none of the requested backends is installed."""
+    from .errors import BackendUnavailable
+
     specs = [backends.get(n) for n in names]
     problems = []
     for spec in specs:

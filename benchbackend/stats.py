@@ -32,6 +32,13 @@ SUMMARY_COLUMNS = [
 ]
 
 
+def label(backend: str, mode: str) -> str:
+    """How a group is named in tables and plots: ``torch``, ``tensorflow:tf.function``, ``torch@bf16``."""
+    if not mode:
+        return backend
+    return f"{backend}{mode}" if mode.startswith("@") else f"{backend}:{mode}"
+
+
 @dataclass(frozen=True)
 class Ratio:
     """Baseline time over candidate time: above 1 the candidate is faster."""
@@ -154,7 +161,9 @@ def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
     """Reduce measurement rows to one row per repeat.
 
     steady_s is the median of the repeat's epochs >= 2 (NaN with a single epoch), first_s its
-    epoch 1, infer_s the median of its inference passes, val_accuracy the last epoch's value.
+    epoch 1, infer_s the median of its inference passes after the first (the first carries
+    tracing, compilation and first copies, as epoch 1 does; with a single pass, that pass),
+    val_accuracy the last epoch's value.
     """
     keys = GROUP_KEYS + REPEAT_KEYS
     phase = df["phase"]
@@ -165,11 +174,18 @@ def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
     first = train[train["epoch"] == 1].groupby(keys, sort=False, dropna=False).agg(
         first_s=("seconds", "median"), first_sps=("samples_per_s", "median"))
     last = train.sort_values("epoch", kind="stable").groupby(keys, sort=False, dropna=False)["val_accuracy"].last()
-    infer = df[phase == "inference"].groupby(keys, sort=False, dropna=False)["seconds"].median().rename("infer_s")
+    infer = steady_inference(df).groupby(keys, sort=False, dropna=False)["seconds"].median().rename("infer_s")
     out = pd.concat([first, steady, last, infer], axis=1)
     # With a single epoch there is no steady state; its throughput is all there is.
     out["samples_per_s"] = out["samples_per_s"].fillna(out.pop("first_sps"))
     return out.sort_index()
+
+
+def steady_inference(df: pd.DataFrame) -> pd.DataFrame:
+    """Inference rows without each repeat's first pass, unless that pass is the repeat's only one."""
+    inf = df[df["phase"] == "inference"]
+    passes = inf.groupby(GROUP_KEYS + REPEAT_KEYS, sort=False, dropna=False)["epoch"].transform("count")
+    return inf[(inf["epoch"] >= 2) | (passes == 1)]
 
 
 def _spread(values: pd.Series, keys: list[str], centre: pd.Series) -> pd.Series:
@@ -206,12 +222,12 @@ def summarize(df: pd.DataFrame) -> Summary:
     groups["infer_n"] = by_group["infer_s"].count()
     phase = df["phase"]
     steady_rows = df.loc[(phase == "train_epoch") & (df["epoch"] >= 2)].set_index(GROUP_KEYS)["seconds"]
-    infer_rows = df.loc[phase == "inference"].set_index(GROUP_KEYS)["seconds"]
+    infer_rows = steady_inference(df).set_index(GROUP_KEYS)["seconds"]
     groups["steady_spread"] = _spread(steady_rows, GROUP_KEYS, steady_rows.groupby(GROUP_KEYS).median()
                                       .reindex(groups.index))
     groups["infer_spread"] = _spread(infer_rows, GROUP_KEYS, infer_rows.groupby(GROUP_KEYS).median()
                                      .reindex(groups.index))
-    parity = df.loc[phase == "parity"].groupby(GROUP_KEYS, sort=False, dropna=False)[
+    parity = df.loc[(phase == "parity") & df["steps"].isna()].groupby(GROUP_KEYS, sort=False, dropna=False)[
         ["parity_max_abs", "parity_max_rel"]].max()
     groups = groups.join(parity)
     groups["repeats"] = groups["repeats"].fillna(0).astype(int)

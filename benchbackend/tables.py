@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from .stats import CONTEXT_KEYS
+from .stats import CONTEXT_KEYS, label
 
 
 def short_message(message: str, width: int = 160) -> str:
@@ -49,7 +49,7 @@ def vs_cell(row: pd.Series, prefix: str) -> str:
 
 
 def _label(key: tuple) -> str:
-    return f"{key[2]}:{key[3]}" if key[3] else key[2]
+    return label(key[2], key[3])
 
 
 def _train_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:

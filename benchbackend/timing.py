@@ -1,25 +1,35 @@
-"""Timers and the device-sync contract.
+"""The clock and the device-sync contract.
 
-Every clock read happens after the device is synced. Adapters make that true by returning host
-values (a loss fetched to the host, a predicted array copied back, ``torch.cuda.synchronize()``
-on CUDA) from every call the worker times; ``timed`` only reads the clock around such calls.
+Every clock read happens after the device is idle. The worker, not the adapter, ends each timed
+region: it calls the adapter, materializes what came back on the host (``to_host``), calls
+``sync()``, and only then reads the clock. An adapter that returns lazy arrays (JAX, a CUDA
+stream) is therefore timed to completion whether or not it remembered to wait.
 """
 from __future__ import annotations
 
 import resource
 import sys
 import time
-from typing import Callable, TypeVar
+from typing import Any, Callable, Optional
 
-T = TypeVar("T")
 clock = time.perf_counter
 
 
-def timed(fn: Callable[[], T]) -> tuple[T, float]:
-    """Run ``fn`` (which must return synced, host-side results) and return (result, seconds)."""
+def _materialize(value: Any, to_host: Callable[[Any], Any]) -> Any:
+    if isinstance(value, tuple):
+        return tuple(to_host(v) for v in value)
+    return to_host(value)
+
+
+def timed_region(fn: Callable[[], Any], to_host: Optional[Callable[[Any], Any]],
+                 sync: Callable[[], None]) -> tuple[Any, float]:
+    """(result, seconds) of ``fn``: the result brought to the host (each tuple item), the device synced."""
     start = clock()
-    result = fn()
-    return result, clock() - start
+    value = fn()
+    if to_host is not None:
+        value = _materialize(value, to_host)
+    sync()
+    return value, clock() - start
 
 
 def peak_rss_mb() -> float:

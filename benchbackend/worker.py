@@ -1,42 +1,48 @@
-"""One (workload, backend, repeat) cell, inside the backend's own interpreter.
+"""One cell (workload x backend x mode x precision, one repeat), inside the backend's own interpreter.
 
 ``python -m benchbackend.worker`` reads a JSON job on stdin and writes one JSON line per message
 on stdout (the protocol); anything the framework prints goes to stderr. Messages:
 
-- ``{"type": "info", ...}``     backend version, device, mode, gpu, python, params
-- ``{"type": "row", ...}``      one measurement (phase build / parity / train_epoch / inference)
-- ``{"type": "unavailable", "message"}``  the backend or device is not there
+- ``{"type": "info", ...}``     backend version, device, mode, precision, gpu, python, threads
+- ``{"type": "row", ...}``      one measurement (phase build / tune / parity / train_epoch / inference)
+- ``{"type": "unavailable", "message"}``  the backend, mode, precision or device is not there
 - ``{"type": "error", "message", "traceback"}``  the cell failed
 - ``{"type": "done"}``
 
-``python -m benchbackend.worker --probe NAME`` prints ``{"version", "devices"}`` for ``list``.
+``python -m benchbackend.worker --probe module:Class`` prints ``{"version", "devices"}`` for ``list``.
 
-The order inside a cell: set env vars, import the adapter, load data, build + load the shared
-initial weights (timed), parity on a fixed batch against the NumPy float64 reference, optional
-trajectory check, then timed epochs (each followed by an untimed validation pass) and timed
-inference passes. A NaN/inf training loss stops training (the rows are kept).
+The job names the adapter by ``target`` (``module:Class``), so a backend registered anywhere
+(a plug-in, a test) runs without this module knowing it. The backend's environment variables
+are already in this process's environment (the parent sets them, unconditionally) before the
+adapter, and so the framework, is imported.
+
+The order inside a cell: import the adapter, load data, build + load the shared initial weights
+(timed), tune (timed, when the mode tunes), forward parity on a fixed batch against the NumPy
+float64 reference, the optional trajectory check, then (if the backend trains) timed epochs, each
+followed by an untimed validation pass, and timed inference passes. Every timed region ends with
+the result materialized on the host and the device synced, by this module, not the adapter. A
+NaN/inf training loss stops training (the rows are kept).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
 import sys
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 Emit = Callable[[dict[str, Any]], None]
+EVAL_BATCH = 1024  # validation and parity batches (outside the clock)
 
 
-def _backend_class(name: str, device: str):
-    from .backends import get
-
-    spec = get(name)
-    for key, value in spec.env(device).items():
-        os.environ.setdefault(key, value)
-    return spec.load_class()
+def load_target(target: str) -> Any:
+    """The adapter class named ``package.module:ClassName`` (imports its framework)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _load_arrays(path: str) -> dict[str, np.ndarray]:
@@ -49,20 +55,60 @@ def _load_arrays(path: str) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _parity(backend: Any, workload: Any, weights: list[np.ndarray], arrays: dict[str, np.ndarray],
-            steps: int, emit: Emit, base: dict[str, Any]) -> None:
+class Cell:
+    """One repeat of one (workload, backend, mode, precision) inside this process."""
+
+    def __init__(self, backend: Any, workload: Any, arrays: dict[str, np.ndarray], emit: Emit):
+        self.backend, self.workload, self.arrays, self.emit = backend, workload, arrays, emit
+        self.device_arrays: dict[str, Any] = {}
+
+    def region(self, fn: Callable[[], Any], host: bool = True) -> tuple[Any, float]:
+        """Time ``fn`` up to a synced device, the result materialized on the host (if ``host``)."""
+        from .timing import timed_region
+
+        return timed_region(fn, self.backend.to_host if host else None, self.backend.sync)
+
+    def on_device(self, split: str) -> Any:
+        if split not in self.device_arrays:
+            self.device_arrays[split] = self.backend.to_device(self.arrays[f"x_{split}"])
+        return self.device_arrays[split]
+
+    # The three inference paths, all derived from ``scores``.
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """Parity: probabilities of a host batch, as float64."""
+        b = self.backend
+        out = b.to_host(b.scores(b.to_device(np.ascontiguousarray(x, np.float32)), EVAL_BATCH))
+        return np.asarray(out, np.float64)
+
+    def evaluate(self, split: str) -> tuple[float, float]:
+        """Validation (outside the clock): (cross-entropy, accuracy) of ``split``."""
+        from .backends.base import accuracy, cross_entropy
+
+        labels = self.arrays[f"y_{split}"]
+        if len(labels) == 0:
+            return float("nan"), float("nan")
+        probs = np.asarray(self.backend.to_host(self.backend.scores(self.on_device(split), EVAL_BATCH)))
+        return cross_entropy(probs, labels), accuracy(probs, labels)
+
+    def predict(self) -> tuple[np.ndarray, float]:
+        """One timed inference pass over the test set at the workload's inference batch size."""
+        x = self.on_device("test")
+        return self.region(lambda: self.backend.scores(x, self.workload.inference.batch_size))
+
+
+def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, Any]) -> None:
     from .backends import reference
     from .checks import parity_errors
 
+    workload, arrays = cell.workload, cell.arrays
     pool = arrays["x_val"] if len(arrays["x_val"]) else arrays["x_train"]
     rng = np.random.default_rng([workload.seed, 7])
     idx = np.sort(rng.choice(len(pool), size=min(workload.checks.parity_batch, len(pool)), replace=False))
     x = pool[idx]
     ref = reference.forward(workload, weights, x.astype(np.float64), dtype=np.float64)
-    out = backend.forward(x)
-    max_abs, max_rel = parity_errors(out, ref)
-    emit({**base, "phase": "parity", "epoch": 0, "samples": len(x), "parity_max_abs": max_abs,
-          "parity_max_rel": max_rel})
+    max_abs, max_rel = parity_errors(cell.forward(x), ref)
+    cell.emit({**base, "phase": "parity", "epoch": 0, "samples": len(x), "parity_max_abs": max_abs,
+               "parity_max_rel": max_rel})
     if steps <= 0:
         return
     bs = workload.training.batch_size
@@ -70,107 +116,101 @@ def _parity(backend: Any, workload: Any, weights: list[np.ndarray], arrays: dict
     batch_list = [(arrays["x_train"][order[i * bs:(i + 1) * bs]], arrays["y_train"][order[i * bs:(i + 1) * bs]])
                   for i in range(steps) if i * bs < len(order)]
     ref_losses = reference.train_losses(workload, weights, batch_list, dtype=np.float64)
-    losses = backend.train_steps(batch_list)
-    rtol = max(workload.checks.parity_rtol * 10, 1e-3)  # losses accumulate float32 error step by step
-    diverged = next((i + 1 for i, (a, b) in enumerate(zip(losses, ref_losses))
-                     if not np.isfinite(a) or abs(a - b) > rtol * max(abs(b), 1e-12)), None)
-    errs = [abs(a - b) for a, b in zip(losses, ref_losses)]
-    msg = ("" if diverged is None else
-           f"training loss diverges from the reference at step {diverged}: "
-           f"{losses[diverged - 1]:.6g} vs {ref_losses[diverged - 1]:.6g}")
-    emit({**base, "phase": "parity", "epoch": len(losses), "steps": len(losses), "parity_step": diverged,
-          "parity_max_abs": max(errs) if errs else None, "message": msg or f"{len(losses)} steps agree"})
+    losses = [float(v) for v in cell.backend.train_steps(batch_list)]
+    # Raw values only: checks.trajectory decides, with the workload's tolerance.
+    cell.emit({**base, "phase": "parity", "epoch": len(losses), "steps": len(losses), "losses": losses,
+               "reference_losses": [float(v) for v in ref_losses]})
 
 
 def run_job(job: dict[str, Any], emit: Emit) -> None:
     """Run one cell and stream its messages through ``emit`` (also usable in-process by tests)."""
-    from .backends.base import accuracy
     from .errors import BackendUnavailable
     from .model import initial_weights, param_count
-    from .timing import peak_rss_mb, timed
+    from .timing import peak_rss_mb
     from .workload import Workload
 
     workload = Workload.model_validate(job["workload"])
     device = job.get("device", "cpu")
     try:
-        cls = _backend_class(job["backend"], device)
-        backend = cls(workload, device)
+        cls = load_target(job["target"])
+        backend = cls(workload, device, job["mode"], job.get("precision", "fp32"), job.get("options") or {})
     except (BackendUnavailable, ImportError) as exc:
         emit({"type": "unavailable", "message": str(exc).splitlines()[0] if str(exc) else repr(exc)})
         return
+    trains = bool(job.get("trains", True))
     arrays = _load_arrays(job["data"])
     weights = initial_weights(workload, job.get("repeat", 0))
+    cell = Cell(backend, workload, arrays, emit)
     base: dict[str, Any] = {"type": "row"}
-    emit({"type": "info", "backend_version": backend.version(), "device": backend.device_id(),
-          "mode": backend.mode, "gpu": backend.gpu_name(), "python": platform.python_version()})
+    from .results import environment
 
-    params, seconds = timed(lambda: backend.build(weights))
+    emit({"type": "info", **environment(), "backend_version": backend.version(), "device": backend.device_id(),
+          "mode": backend.mode, "precision": backend.precision, "gpu": backend.gpu_name(),
+          "python": platform.python_version(), "threads": _threads(backend)})
+
+    params, seconds = cell.region(lambda: backend.build(weights), host=False)
     expected = param_count(workload)
     if params != expected:
         raise RuntimeError(f"{job['backend']} built {params} parameters; the spec has {expected}")
-    backend.set_data(arrays["x_train"], arrays["y_train"], arrays["x_val"], arrays["y_val"],
-                     arrays["x_test"], arrays["y_test"])
-    emit({**base, "phase": "build", "epoch": 0, "seconds": seconds, "params": params,
-          "peak_rss_mb": peak_rss_mb()})
+    if trains:
+        backend.set_data(arrays["x_train"], arrays["y_train"])
+    details = backend.details()
+    emit({**base, "phase": "build", "epoch": 0, "seconds": seconds, "params": params, "peak_rss_mb": peak_rss_mb(),
+          "message": "; ".join(f"{k} {v}" for k, v in details.items())})
+    summary, seconds = cell.region(backend.tune, host=False)
+    if summary is not None:
+        emit({**base, "phase": "tune", "epoch": 0, "seconds": seconds, "message": summary})
 
-    _parity(backend, workload, weights, arrays, int(job.get("parity_steps") or 0), emit, base)
-    if job.get("parity_steps"):
+    parity_steps = int(job.get("parity_steps") or 0) if trains else 0
+    _parity(cell, weights, parity_steps, base)
+    if parity_steps:
         backend.build(weights)  # the trajectory check trained a few steps: start over from the shared weights
-
-    n_train = len(arrays["y_train"])
-    val_split = "val" if len(arrays["y_val"]) else "test"
-    n_val = len(arrays["y_val"]) if val_split == "val" else len(arrays["y_test"])
-    steps = -(-n_train // workload.training.batch_size)
-    for epoch, order in enumerate(arrays["orders"][: workload.training.epochs], start=1):
-        (loss, acc), seconds = timed(lambda: backend.train_epoch(order))
-        finite = bool(np.isfinite(loss))
-        val_loss, val_acc = backend.evaluate(val_split) if finite else (float("nan"), float("nan"))
-        emit({**base, "phase": "train_epoch", "epoch": epoch, "samples": n_train, "seconds": seconds,
-              "samples_per_s": n_train / seconds if seconds > 0 else None, "loss": loss, "accuracy": acc,
-              "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": n_val, "steps": steps,
-              "peak_rss_mb": peak_rss_mb()})
-        if not finite:
-            return  # nan_loss: stop this repeat's training; its rows are kept
+        backend.set_data(arrays["x_train"], arrays["y_train"])
+    if trains and not _train(cell, base):
+        return  # nan_loss: stop this repeat; its rows are kept
 
     n_test = len(arrays["y_test"])
+    from .backends.base import accuracy
+
     for i in range(1, workload.inference.repeats + 1):
-        scores, seconds = timed(backend.predict)
+        scores, seconds = cell.predict()
         emit({**base, "phase": "inference", "epoch": i, "samples": n_test, "seconds": seconds,
               "samples_per_s": n_test / seconds if seconds > 0 else None,
               "accuracy": accuracy(np.asarray(scores), arrays["y_test"]), "peak_rss_mb": peak_rss_mb()})
 
 
-def probe_in(python: str, backend: str, env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Run ``python -m benchbackend.worker --probe BACKEND``: ``{"version", "devices"}``.
+def _train(cell: Cell, base: dict[str, Any]) -> bool:
+    """Timed epochs, each followed by an untimed validation pass. False when a loss went NaN/inf."""
+    from .timing import peak_rss_mb
 
-    Raises ``BackendUnavailable`` with one line saying why (the worker's own error, the last
-    stderr line, or the exit status) when the probe cannot run or fails.
-    """
-    import subprocess
-
-    from .errors import BackendUnavailable
-
-    try:
-        proc = subprocess.run([python, "-m", "benchbackend.worker", "--probe", backend], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BackendUnavailable(f"could not run: {str(exc).splitlines()[0]}") from None
-    error = ""
-    for line in proc.stdout.splitlines():
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            continue
-        if proc.returncode == 0 and "devices" in msg:
-            return msg
-        error = msg.get("message", "") or error
-    stderr = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    raise BackendUnavailable(error or (stderr[-1].strip() if stderr else f"exit status {proc.returncode}"))
+    arrays, workload, backend = cell.arrays, cell.workload, cell.backend
+    n_train = len(arrays["y_train"])
+    val_split = "val" if len(arrays["y_val"]) else "test"
+    n_val = len(arrays[f"y_{val_split}"])
+    steps = -(-n_train // workload.training.batch_size)
+    for epoch, order in enumerate(arrays["orders"][: workload.training.epochs], start=1):
+        (loss, acc), seconds = cell.region(lambda: backend.train_epoch(order))
+        loss, acc = float(loss), float(acc)
+        finite = bool(np.isfinite(loss))
+        val_loss, val_acc = cell.evaluate(val_split) if finite else (float("nan"), float("nan"))
+        cell.emit({**base, "phase": "train_epoch", "epoch": epoch, "samples": n_train, "seconds": seconds,
+                   "samples_per_s": n_train / seconds if seconds > 0 else None, "loss": loss, "accuracy": acc,
+                   "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": n_val, "steps": steps,
+                   "peak_rss_mb": peak_rss_mb()})
+        if not finite:
+            return False
+    return True
 
 
-def _probe(name: str) -> dict[str, Any]:
-    cls = _backend_class(name, "gpu")
-    return cls.probe()
+def _threads(backend: Any) -> Optional[int]:
+    threads = getattr(backend, "threads", None)
+    if callable(threads):
+        return threads()
+    return backend.options.get("threads") or os.cpu_count()
+
+
+def _probe(target: str) -> dict[str, Any]:
+    return load_target(target).probe()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         proto.flush()
 
     try:
-        if argv[:1] == ["--probe"]:
+        if argv[:1] == ["--probe"]:  # argv[1]: "module:Class"
             emit(_probe(argv[1]))
             return 0
         job = json.loads(sys.stdin.read())

@@ -9,13 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from . import paths
 from .errors import WorkloadError
 
 Activation = Literal["none", "relu", "softmax", "tanh", "sigmoid"]
@@ -111,6 +111,20 @@ class InferenceSpec(_Strict):
     repeats: int = Field(default=5, gt=0)
 
 
+class Tolerance(_Strict):
+    rtol: float = Field(gt=0.0)
+    atol: float = Field(ge=0.0)
+
+
+#: Forward-parity tolerance per precision, against the float64 reference (max error relative to the
+#: largest output; either bound passing is enough). fp32 is the workload's parity_rtol/parity_atol.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "fp64": Tolerance(rtol=1e-9, atol=1e-10),
+    "bf16": Tolerance(rtol=5e-2, atol=1e-2),
+    "fp16": Tolerance(rtol=1e-2, atol=1e-3),
+}
+
+
 class ChecksSpec(_Strict):
     chance_alpha: float = Field(default=0.01, gt=0.0, lt=1.0,
                                 description="one-sided binomial test level against 1/num_classes")
@@ -119,6 +133,18 @@ class ChecksSpec(_Strict):
     parity_rtol: float = Field(default=1e-4, gt=0.0)
     parity_atol: float = Field(default=1e-5, ge=0.0)
     parity_batch: int = Field(default=8, gt=0)
+    parity_tolerance: dict[Literal["fp64", "bf16", "fp16"], Tolerance] = Field(
+        default_factory=dict, description="per-precision overrides of the defaults (fp32: parity_rtol/atol)")
+    trajectory_rtol: float = Field(default=1e-3, gt=0.0,
+                                   description="--parity-steps: relative loss difference allowed per step")
+    divergence_factor: float = Field(default=1e3, gt=1.0,
+                                     description="a finite loss this many times the first epoch's is `diverged`")
+
+    def tolerance(self, precision: str) -> Tolerance:
+        """The forward-parity tolerance for ``precision``."""
+        if precision == "fp32" or precision not in DEFAULT_TOLERANCES:
+            return Tolerance(rtol=self.parity_rtol, atol=self.parity_atol)
+        return self.parity_tolerance.get(precision, DEFAULT_TOLERANCES[precision])  # type: ignore[call-overload]
 
 
 class Workload(_Strict):
@@ -177,28 +203,10 @@ class Workload(_Strict):
         return self.model_dump(mode="json")
 
 
-def workload_dirs() -> list[Path]:
-    """Where named workloads are looked up, in order."""
-    dirs = []
-    env = os.environ.get("BENCHBACKEND_WORKLOADS")
-    if env:
-        dirs.append(Path(env))
-    dirs.append(Path.cwd() / "workloads")
-    dirs.append(Path(__file__).resolve().parent.parent / "workloads")  # a source checkout
-    dirs.append(Path(sys.prefix) / "share" / "benchbackend" / "workloads")  # a non-editable install
-    seen, out = set(), []
-    for d in dirs:
-        key = str(d.resolve()) if d.exists() else str(d)
-        if key not in seen:
-            seen.add(key)
-            out.append(d)
-    return out
-
-
 def available() -> dict[str, Path]:
     """Named workloads: name -> file (first directory wins)."""
     found: dict[str, Path] = {}
-    for d in workload_dirs():
+    for d in paths.workload_dirs():
         if d.is_dir():
             for f in sorted(d.glob("*.yaml")):
                 found.setdefault(f.stem, f)

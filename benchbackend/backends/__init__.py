@@ -34,14 +34,30 @@ def _plaidml_env(device: str) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class BackendSpec:
+class Mode:
+    """One execution strategy of a backend (eager, compiled, XLA, static graph, tuned, ...)."""
+
     name: str
-    module: str                 # adapter module under benchbackend.backends
-    class_name: str
+    description: str
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend's declaration: everything the CLI, ``list`` and the runner need without importing it.
+
+    ``modes``: the first is the default. ``precisions``: ``fp32`` always. ``trains``: False for
+    inference-only runtimes, which get build, parity and inference rows only.
+    """
+
+    name: str
+    target: str                 # "package.module:ClassName" of the adapter (imported by the worker only)
     import_name: str            # top-level package find_spec looks for
     dist_name: str              # distribution for the version (importlib.metadata)
     install: str                # the command that installs it
     description: str
+    modes: tuple[Mode, ...]
+    precisions: tuple[str, ...] = ("fp32",)
+    trains: bool = True
     env: Callable[[str], dict[str, str]] = field(default=lambda device: {})
     #: None: runs in the current interpreter; else the name of an isolated env (``benchbackend setup NAME``).
     isolated_env: Optional[str] = None
@@ -49,33 +65,62 @@ class BackendSpec:
     python: Optional[str] = None
     devices: tuple[str, ...] = ("cpu", "gpu")
 
+    @property
+    def mode_names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.modes)
+
+    @property
+    def default_mode(self) -> str:
+        return self.modes[0].name
+
     def load_class(self):
-        mod = importlib.import_module(f"benchbackend.backends.{self.module}")
-        return getattr(mod, self.class_name)
+        module, _, cls = self.target.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+def _adapter(module: str, cls: str) -> str:
+    return f"benchbackend.backends.{module}:{cls}"
 
 
 BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in [
-        BackendSpec("numpy", "reference", "NumpyBackend", "numpy", "numpy", "pip install numpy",
-                    "NumPy reference (ground truth; CuPy on --device gpu)"),
-        BackendSpec("torch", "torch", "TorchBackend", "torch", "torch",
-                    "pip install 'benchbackend[torch]' torch==2.13.0", "PyTorch (CPU, CUDA)", _torch_env),
-        BackendSpec("tensorflow", "tensorflow", "TensorFlowBackend", "tensorflow", "tensorflow-cpu",
+        BackendSpec("numpy", _adapter("reference", "NumpyBackend"), "numpy", "numpy", "pip install numpy",
+                    "NumPy reference (ground truth; CuPy on --device gpu)",
+                    modes=(Mode("reference", "the NumPy/CuPy reference implementation, batch by batch"),),
+                    precisions=("fp32", "fp64")),
+        BackendSpec("torch", _adapter("torch", "TorchBackend"), "torch", "torch",
+                    "pip install 'benchbackend[torch]' torch==2.13.0", "PyTorch (CPU, CUDA)",
+                    modes=(Mode("eager", "define-by-run nn.Module, one optimizer step per batch"),),
+                    env=_torch_env),
+        BackendSpec("tensorflow", _adapter("tensorflow", "TensorFlowBackend"), "tensorflow", "tensorflow-cpu",
                     "pip install 'benchbackend[tensorflow]' (tensorflow on GPU machines)",
-                    "TensorFlow 2 / Keras 3 (CPU, GPU)", _tf_env),
-        BackendSpec("plaidml", "plaidml", "PlaidMLBackend", "plaidml", "plaidml",
+                    "TensorFlow 2 / Keras 3 (CPU, GPU)",
+                    modes=(Mode("tf.function", "Keras 3 model, a traced tf.function train step per batch shape"),),
+                    env=_tf_env),
+        BackendSpec("plaidml", _adapter("plaidml", "PlaidMLBackend"), "plaidml", "plaidml",
                     "benchbackend setup plaidml", "PlaidML 0.7 + Keras 2.2.4 (OpenCL, LLVM CPU)",
-                    _plaidml_env, isolated_env="plaidml", devices=("cpu", "gpu", "opencl")),
+                    modes=(Mode("keras2", "Keras 2.2.4 train_on_batch/predict, batches fed from host memory"),),
+                    env=_plaidml_env, isolated_env="plaidml", devices=("cpu", "gpu", "opencl")),
     ]
 }
+
+
+def register(spec: BackendSpec) -> None:
+    """Add a backend (a plug-in, or a test's). Its ``target`` must be importable by the worker."""
+    BACKENDS[spec.name] = spec
+
+
+def isolated_envs() -> dict[str, str]:
+    """Isolated environment name -> the backend whose probe verifies it."""
+    return {s.isolated_env: s.name for s in BACKENDS.values() if s.isolated_env}
 
 
 def _interpreters() -> dict[str, str]:
     """``configs/backends.yaml`` (or $BENCHBACKEND_BACKENDS_CONFIG): backend -> current | env | path."""
     import yaml
 
-    from ..envs import configs_dirs
+    from ..paths import configs_dirs
 
     env = os.environ.get("BENCHBACKEND_BACKENDS_CONFIG")
     files = [Path(env)] if env else [d / "backends.yaml" for d in configs_dirs()]

@@ -1,86 +1,120 @@
 """The Backend contract. Every adapter (``backends/<name>.py``) implements it for one framework.
 
-The worker (``benchbackend.worker``) drives an adapter through one repeat of one workload:
+What a backend *is* (its name, whether it trains, its modes with a one-line description each,
+its precisions, its devices, how to install it) is declared in its registry entry
+(:class:`benchbackend.backends.BackendSpec`), so that ``--help``, ``list`` and the CLI's checks
+know it without importing the framework. What a backend *does* is this class.
 
-1. ``__init__(workload, device)`` -- resolve the device or raise ``BackendUnavailable``.
-2. ``build(weights)`` -- build the network from ``workload.model`` and load the shared initial
+The worker (``benchbackend.worker``) drives an adapter through one repeat of one cell
+(workload x backend x mode x precision):
+
+1. ``__init__(workload, device, mode, precision, options)``: resolve the device or raise
+   ``BackendUnavailable``; ``mode`` and ``precision`` have been validated against the spec.
+2. ``build(weights)``: build the network from ``workload.model`` and load the shared initial
    weights (canonical layout, see ``benchbackend.model``), converting as the framework needs.
-3. ``set_data(...)`` -- take the run's arrays (float32 NHWC images in [0, 1], int64 labels) and
-   keep them where the framework's fast path wants them (tensors on the device).
-4. ``forward(x)`` -- inference-mode outputs (dropout off) as float64 NumPy, for the parity check.
-5. ``train_epoch(order)`` -- one epoch over the training arrays in exactly the given sample order,
-   batch size from the workload, the workload's optimizer and loss. Returns host floats (mean loss,
-   accuracy), which is the device sync: the clock is read after it returns.
-6. ``evaluate(split)`` -- loss and accuracy on ``"val"`` or ``"test"`` in inference mode.
-7. ``predict()`` -- class probabilities over the test set (one timed inference pass); must return
-   host data (synced).
-8. ``train_steps(batches)`` -- optional: losses of the first K steps on given batches with dropout
-   disabled, for the opt-in trajectory check.
+   Returns the parameter count. Compilation that does not depend on data belongs here (timed as
+   the ``build`` row).
+3. ``tune()``: optional schedule search etc. (the ``tune`` row), for modes that need it.
+4. ``set_data(x_train, y_train)``: keep the training arrays where the framework's fast path
+   wants them. Only called when the backend trains.
+5. ``to_device(x)``: an input array (float32 NHWC in [0, 1]) as the framework wants it for
+   ``scores`` (a tensor on the device, say). Called once per split, outside the clock.
+6. ``scores(x, batch_size)``: class probabilities for a ``to_device`` array, in batches of
+   ``batch_size``, dropout off. It may return a lazy/asynchronous value.
+7. ``train_epoch(order)``: one epoch over the training arrays in exactly the given sample order,
+   with the workload's batch size, optimizer and loss. Returns ``(mean loss, accuracy)``, which
+   may be lazy values (device scalars).
+8. ``to_host(value)``: a NumPy array or Python float for a value ``scores``/``train_epoch``
+   returned. ``sync()``: wait until the device is idle.
+9. ``train_steps(batches)``: optional; losses of the first K steps with dropout off, for the
+   trajectory check (``--parity-steps``).
 
-Adapters import their framework at module top: only the worker imports an adapter, after it has
-set the backend's environment variables (see ``BackendSpec.env``).
+The worker ends every timed region itself: adapter call, ``to_host`` on what it returned,
+``sync()``, then the clock (see :func:`benchbackend.timing.timed_region`). An adapter cannot
+forget the sync because it is not the adapter's to do. Forward parity, validation and the timed
+inference passes are all derived from ``scores`` in one place (``benchbackend.worker``).
+
+Adapters import their framework at module top: only the worker imports an adapter, after the
+backend's environment variables (``BackendSpec.env``) are in its process environment.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..workload import Workload
 
 
-class Backend:
-    #: Registry name, e.g. "torch"; matches the module name.
+class Backend(ABC):
+    #: Registry name, e.g. "torch".
     name: ClassVar[str] = ""
-    #: Execution mode written to the CSV ``mode`` column (e.g. "eager", "tf.function").
-    mode: str = ""
 
-    def __init__(self, workload: Workload, device: str):
+    def __init__(self, workload: Workload, device: str, mode: str, precision: str = "fp32",
+                 options: Optional[Mapping[str, Any]] = None):
         self.workload = workload
         self.requested_device = device
+        self.mode = mode
+        self.precision = precision
+        #: Run options that some modes use (``steps_per_execution``, ``tune_trials``, ``threads``, ...).
+        self.options: dict[str, Any] = dict(options or {})
 
     # --- identity -------------------------------------------------------------------------
     @classmethod
+    @abstractmethod
     def probe(cls) -> dict:
         """``{"version": str, "devices": [str, ...]}`` as this framework sees them (for ``list``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def version(self) -> str:
         """Framework version string for ``backend_version``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def device_id(self) -> str:
         """The device actually used, as written to the ``device`` column (e.g. "cpu", "cuda:0")."""
-        raise NotImplementedError
 
     def gpu_name(self) -> str:
         """Human name of the GPU in use, or "" on CPU."""
         return ""
 
+    def details(self) -> dict[str, Any]:
+        """Extra facts for the ``message`` of the build row (a compile target, the precision
+        actually used by a runtime, ...). Values are short strings."""
+        return {}
+
     # --- lifecycle ------------------------------------------------------------------------
+    @abstractmethod
     def build(self, weights: Sequence[np.ndarray]) -> int:
         """Build the model, load ``weights`` (canonical layout); return its parameter count."""
-        raise NotImplementedError
 
-    def set_data(self, x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray,
-                 x_test: np.ndarray, y_test: np.ndarray) -> None:
-        raise NotImplementedError
+    def tune(self) -> Optional[str]:
+        """Search schedules (or similar) for the current mode; return a one-line summary, or None
+        when this mode has nothing to tune. Timed as the ``tune`` row."""
+        return None
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        """Inference-mode output (probabilities if the model ends in softmax) as float64."""
-        raise NotImplementedError
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        """Keep the training arrays (float32 NHWC, int64 labels) for ``train_epoch``."""
+        raise NotImplementedError(f"{self.name} does not train")
 
-    def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
-        """Train one epoch over ``x_train[order]`` in batches; return (mean loss, accuracy)."""
-        raise NotImplementedError
+    def to_device(self, x: np.ndarray) -> Any:
+        """``x`` (float32 NHWC) where ``scores`` wants it. Default: the host array itself."""
+        return x
 
-    def evaluate(self, split: str) -> tuple[float, float]:
-        """(mean loss, accuracy) on ``split`` ("val" or "test"), inference mode."""
-        raise NotImplementedError
+    @abstractmethod
+    def scores(self, x: Any, batch_size: int) -> Any:
+        """Class probabilities (n, classes) for ``x`` (from ``to_device``), dropout off; may be lazy."""
 
-    def predict(self) -> np.ndarray:
-        """Class scores for the whole test set, as a host array (this call is what is timed)."""
-        raise NotImplementedError
+    def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
+        """Train one epoch over the training samples in ``order``; return (mean loss, accuracy)."""
+        raise NotImplementedError(f"{self.name} does not train")
+
+    def to_host(self, value: Any) -> Any:
+        """A host value (NumPy array or float) for what ``scores``/``train_epoch`` returned."""
+        return np.asarray(value)
+
+    def sync(self) -> None:
+        """Block until every queued device operation has finished."""
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         """Loss of each of the first K training steps on these batches, dropout disabled."""
@@ -99,3 +133,11 @@ def batches(order: np.ndarray, batch_size: int):
 
 def accuracy(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean(np.argmax(scores, axis=1) == labels)) if len(labels) else float("nan")
+
+
+def cross_entropy(probs: np.ndarray, labels: np.ndarray) -> float:
+    """Mean categorical cross-entropy of class probabilities, clipped as Keras clips (1e-7)."""
+    if len(labels) == 0:
+        return float("nan")
+    p = np.clip(np.asarray(probs, np.float64)[np.arange(len(labels)), labels], 1e-7, 1.0 - 1e-7)
+    return float(-np.mean(np.log(p)))

@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -51,7 +51,6 @@ from ..workload import Workload  # noqa: E402
 from .base import Backend  # noqa: E402
 from .keras_layers import keras_layers  # noqa: E402
 
-_EVAL_BATCH = 256
 _keras: Any = None
 
 
@@ -122,10 +121,10 @@ def resolve_device(device: str, usable: list[tuple[str, str]], unsupported: list
 
 class PlaidMLBackend(Backend):
     name = "plaidml"
-    mode = "keras2"
 
-    def __init__(self, workload: Workload, device: str):
-        super().__init__(workload, device)
+    def __init__(self, workload: Workload, device: str, mode: str = "keras2", precision: str = "fp32",
+                 options: Optional[Mapping[str, Any]] = None):
+        super().__init__(workload, device, mode, precision, options)
         usable, unsupported = list_devices()
         self.device = resolve_device(device, usable, unsupported)
         self.description = dict(usable)[self.device]
@@ -175,43 +174,31 @@ class PlaidMLBackend(Backend):
         return [np.asarray(w) for w in self.model.get_weights()]
 
     # --- data -------------------------------------------------------------------------------
-    def set_data(self, x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray,
-                 x_test: np.ndarray, y_test: np.ndarray) -> None:
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         eye = np.eye(self.workload.num_classes, dtype=np.float32)
-        self.x = {k: np.ascontiguousarray(v, np.float32) for k, v in (("train", x_train), ("val", x_val),
-                                                                     ("test", x_test))}
-        self.y = {k: np.asarray(v, np.int64) for k, v in (("train", y_train), ("val", y_val), ("test", y_test))}
-        self.y1 = {k: eye[v] for k, v in self.y.items()}
+        self.x_train = np.ascontiguousarray(x_train, np.float32)
+        self.y1_train = eye[np.asarray(y_train, np.int64)]
+
+    def to_device(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x, np.float32)  # Keras 2 feeds batches from host memory
 
     # --- run --------------------------------------------------------------------------------
     def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
         bs = self.workload.training.batch_size
-        x, y = self.x["train"], self.y1["train"]
+        x, y = self.x_train, self.y1_train
         loss_sum = correct = 0.0
         for start in range(0, len(order), bs):
             idx = order[start:start + bs]
-            loss, acc = self.model.train_on_batch(x[idx], y[idx])  # host floats: the device sync
+            loss, acc = self.model.train_on_batch(x[idx], y[idx])  # host floats
             loss_sum += float(loss) * len(idx)
             correct += float(acc) * len(idx)
         n = len(order)
         return loss_sum / n, correct / n
 
-    def _probs(self, x: np.ndarray, batch: int) -> np.ndarray:
+    def scores(self, x: np.ndarray, batch_size: int) -> np.ndarray:
         if len(x) == 0:
             return np.zeros((0, self.workload.num_classes), np.float32)
-        return np.asarray(self.model.predict(x, batch_size=batch))
-
-    def evaluate(self, split: str) -> tuple[float, float]:
-        if len(self.y[split]) == 0:
-            return float("nan"), float("nan")
-        loss, acc = self.model.evaluate(self.x[split], self.y1[split], batch_size=_EVAL_BATCH, verbose=0)
-        return float(loss), float(acc)
-
-    def predict(self) -> np.ndarray:
-        return self._probs(self.x["test"], self.workload.inference.batch_size)
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        return self._probs(np.asarray(x, np.float32), _EVAL_BATCH).astype(np.float64)
+        return np.asarray(self.model.predict(x, batch_size=batch_size))
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         # Keras 2.2.4 has no per-call `training=False`: a twin without Dropout layers, sharing

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 from types import ModuleType
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -196,17 +196,16 @@ class NumpyBackend(Backend):
     """Float32 training on the reference implementation (NumPy on CPU, CuPy on GPU)."""
 
     name = "numpy"
-    mode = "float32"
 
-    def __init__(self, workload: Workload, device: str):
-        super().__init__(workload, device)
+    def __init__(self, workload: Workload, device: str, mode: str = "reference", precision: str = "fp32",
+                 options: Optional[Mapping[str, Any]] = None):
+        super().__init__(workload, device, mode, precision, options)
         self.xp = array_module(device)
-        self.mode = "float32" if self.xp is np else "float32/cupy"
-        self.dtype = np.float32
+        self.dtype = np.float64 if precision == "fp64" else np.float32
         self.net: Optional[Network] = None
         self.optimizer: Optional[ops.Optimizer] = None
         self.rng: Any = None
-        self.data: dict[str, tuple[Array, Array]] = {}
+        self.train_data: tuple[Array, Array] = (None, None)
 
     @classmethod
     def probe(cls) -> dict:
@@ -238,24 +237,28 @@ class NumpyBackend(Backend):
         self.rng = self.xp.random.default_rng(seed)  # dropout masks; reseeded on every build
         return int(sum(w.size for w in self.net.weights))
 
-    def set_data(self, x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray,
-                 x_test: np.ndarray, y_test: np.ndarray) -> None:
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         xp = self.xp
-        self.data = {split: (xp.asarray(x, dtype=self.dtype), xp.asarray(y, dtype=xp.int64))
-                     for split, x, y in (("train", x_train, y_train), ("val", x_val, y_val),
-                                         ("test", x_test, y_test))}
+        self.train_data = (xp.asarray(x_train, dtype=self.dtype), xp.asarray(y_train, dtype=xp.int64))
+
+    def to_device(self, x: np.ndarray) -> Array:
+        return self.xp.asarray(x, dtype=self.dtype)
+
+    def to_host(self, value: Any) -> Any:
+        return _to_host(value)
+
+    def sync(self) -> None:
+        if self.xp is not np:
+            self.xp.cuda.Stream.null.synchronize()  # CuPy kernels are asynchronous
 
     def _net(self) -> Network:
         if self.net is None:
             raise RuntimeError("build() must be called first")
         return self.net
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        return np.asarray(_to_host(self._net().forward(self.xp.asarray(x, self.dtype))), np.float64)
-
-    def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
+    def train_epoch(self, order: np.ndarray) -> tuple[Array, Array]:
         net, xp = self._net(), self.xp
-        x_all, y_all = self.data["train"]
+        x_all, y_all = self.train_data
         order = xp.asarray(order)
         loss_sum, correct = xp.zeros((), np.float64), xp.zeros((), np.int64)
         for idx in batches(order, self.workload.training.batch_size):
@@ -266,28 +269,12 @@ class NumpyBackend(Backend):
             loss_sum += loss * len(idx)
             correct += (scores.argmax(axis=1) == labels).sum()
         n = len(order)
-        return float(loss_sum) / n, float(correct) / n  # the host fetch is the device sync
+        return loss_sum / n, correct / n
 
-    def _outputs(self, split: str, logits: bool = False) -> Array:
+    def scores(self, x: Array, batch_size: int) -> Array:
         net, xp = self._net(), self.xp
-        x_all = self.data[split][0]
-        bs = self.workload.inference.batch_size
-        fn = net.logits if logits else net.forward
-        parts = [fn(x_all[i:i + bs]) for i in range(0, len(x_all), bs)]
+        parts = [net.forward(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
         return xp.concatenate(parts) if parts else xp.zeros((0, self.workload.num_classes), self.dtype)
-
-    def evaluate(self, split: str) -> tuple[float, float]:
-        if split not in ("val", "test"):
-            raise ValueError(f"split must be 'val' or 'test'; got {split!r}")
-        labels = self.data[split][1]
-        if len(labels) == 0:
-            return float("nan"), float("nan")
-        scores = self._outputs(split, logits=True)
-        loss = ops.softmax_cross_entropy(scores, ops.one_hot(labels, self.workload.num_classes, self.dtype))[0]
-        return float(loss), float((scores.argmax(axis=1) == labels).mean())
-
-    def predict(self) -> np.ndarray:
-        return _to_host(self._outputs("test"))
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         net = self._net()

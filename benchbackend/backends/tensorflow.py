@@ -1,7 +1,8 @@
 """TensorFlow adapter: a Keras 3 model trained by a compiled ``tf.function`` step over in-memory tensors."""
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -13,15 +14,18 @@ from ..workload import Workload
 from .base import Backend
 from .keras_layers import keras_layers
 
-_EVAL_BATCH = 1024
 
 
 class TensorFlowBackend(Backend):
     name = "tensorflow"
-    mode = "tf.function"
 
-    def __init__(self, workload: Workload, device: str):
-        super().__init__(workload, device)
+    def __init__(self, workload: Workload, device: str, mode: str = "tf.function", precision: str = "fp32",
+                 options: Mapping[str, Any] | None = None):
+        super().__init__(workload, device, mode, precision, options)
+        threads = self.options.get("threads")
+        if threads:  # must precede any TensorFlow op
+            tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+            tf.config.threading.set_inter_op_parallelism_threads(int(threads))
         if device == "cpu":
             self.device = "/CPU:0"
         elif device in ("gpu", "cuda") or device.startswith("/GPU:"):
@@ -99,50 +103,46 @@ class TensorFlowBackend(Backend):
     def get_weights(self) -> list[np.ndarray]:
         return [np.asarray(w) for w in self.model.get_weights()]
 
+    def threads(self) -> int:
+        return tf.config.threading.get_intra_op_parallelism_threads() or (os.cpu_count() or 1)
+
     # --- data -------------------------------------------------------------------------------
-    def set_data(self, x_train, y_train, x_val, y_val, x_test, y_test) -> None:
+    def to_device(self, x: np.ndarray) -> tf.Tensor:
         with tf.device(self.device):
-            self.x = {k: tf.constant(v, tf.float32) for k, v in (("train", x_train), ("val", x_val), ("test", x_test))}
-            self.y = {k: tf.constant(v, tf.int64) for k, v in (("train", y_train), ("val", y_val), ("test", y_test))}
+            return tf.constant(x, tf.float32)
+
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        with tf.device(self.device):
+            self.x_train = tf.constant(x_train, tf.float32)
+            self.y_train = tf.constant(y_train, tf.int64)
+
+    def to_host(self, value: Any) -> Any:
+        return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
 
     # --- run --------------------------------------------------------------------------------
-    def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
+    def train_epoch(self, order: np.ndarray) -> tuple[tf.Tensor, tf.Tensor]:
         bs = self.workload.training.batch_size
         losses, correct = [], []
+        n = len(order)
         with tf.device(self.device):
             # One gather per epoch, then slices, as a hand-written loop over in-memory data does.
             idx = tf.constant(order, tf.int64)
-            x, y = tf.gather(self.x["train"], idx), tf.gather(self.y["train"], idx)
-            for start in range(0, len(order), bs):
+            x, y = tf.gather(self.x_train, idx), tf.gather(self.y_train, idx)
+            for start in range(0, n, bs):
                 loss, hits = self._train_step(x[start:start + bs], y[start:start + bs])
                 losses.append(loss)
                 correct.append(hits)
-            # Host fetch of every step's loss: the sync before the clock is read.
-            step_losses, hits = tf.stack(losses).numpy(), tf.stack(correct).numpy()
-        n = len(order)
-        sizes = np.minimum(bs, n - np.arange(0, n, bs))
-        return float(np.dot(step_losses.astype(np.float64), sizes)) / n, float(hits.sum()) / n
+            sizes = tf.constant(np.minimum(bs, n - np.arange(0, n, bs)), tf.float32)
+            mean_loss = tf.reduce_sum(tf.stack(losses) * sizes) / n
+            acc = tf.cast(tf.reduce_sum(tf.stack(correct)), tf.float32) / n
+        return mean_loss, acc  # device values: the worker fetches them (the sync) before the clock
 
-    def _probs(self, x: tf.Tensor, batch: int) -> np.ndarray:
+    def scores(self, x: tf.Tensor, batch_size: int) -> tf.Tensor:
         n = int(x.shape[0])
         if n == 0:
-            return np.zeros((0, self.workload.num_classes), np.float32)
+            return tf.zeros((0, self.workload.num_classes), tf.float32)
         with tf.device(self.device):
-            outs = [self._predict_step(x[s:s + batch]) for s in range(0, n, batch)]
-            return tf.concat(outs, 0).numpy()
-
-    def evaluate(self, split: str) -> tuple[float, float]:
-        probs = self._probs(self.x[split], _EVAL_BATCH)
-        y = self.y[split].numpy()
-        nc = self.workload.num_classes
-        loss = float(self.loss_fn(tf.one_hot(y, nc), probs).numpy())
-        return loss, float(np.mean(np.argmax(probs, 1) == y))
-
-    def predict(self) -> np.ndarray:
-        return self._probs(self.x["test"], self.workload.inference.batch_size)
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        return self._probs(tf.constant(x, tf.float32), _EVAL_BATCH).astype(np.float64)
+            return tf.concat([self._predict_step(x[s:s + batch_size]) for s in range(0, n, batch_size)], 0)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         nc = self.workload.num_classes

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -15,7 +15,6 @@ from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool
 from .base import Backend
 
 _ACT = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
-_EVAL_BATCH = 1024
 
 
 def _activation(name: str, last: bool) -> list[nn.Module]:
@@ -28,10 +27,12 @@ def _activation(name: str, last: bool) -> list[nn.Module]:
 
 class TorchBackend(Backend):
     name = "torch"
-    mode = "eager"
 
-    def __init__(self, workload: Workload, device: str):
-        super().__init__(workload, device)
+    def __init__(self, workload: Workload, device: str, mode: str = "eager", precision: str = "fp32",
+                 options: Mapping[str, Any] | None = None):
+        super().__init__(workload, device, mode, precision, options)
+        if self.options.get("threads"):
+            torch.set_num_threads(int(self.options["threads"]))
         if device == "cpu":
             self.device = torch.device("cpu")
         elif device in ("gpu", "cuda") or device.startswith("cuda:"):
@@ -57,9 +58,17 @@ class TorchBackend(Backend):
     def gpu_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
 
-    def _sync(self) -> None:
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def to_host(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.item() if value.dim() == 0 else value.detach().cpu().numpy()
+        return np.asarray(value)
 
     # --- model ------------------------------------------------------------------------------
     def _layers(self) -> list[nn.Module]:
@@ -156,21 +165,20 @@ class TorchBackend(Backend):
         return out
 
     # --- data -------------------------------------------------------------------------------
-    def _tensor(self, x: np.ndarray) -> torch.Tensor:
+    def to_device(self, x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).to(self.device)
 
-    def set_data(self, x_train, y_train, x_val, y_val, x_test, y_test) -> None:
-        self.x = {"train": self._tensor(x_train), "val": self._tensor(x_val), "test": self._tensor(x_test)}
-        self.y = {k: torch.from_numpy(v.astype(np.int64)).to(self.device)
-                  for k, v in (("train", y_train), ("val", y_val), ("test", y_test))}
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        self.x_train = self.to_device(x_train)
+        self.y_train = torch.from_numpy(y_train.astype(np.int64)).to(self.device)
 
     # --- run --------------------------------------------------------------------------------
-    def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
+    def train_epoch(self, order: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.net is not None
         self.net.train()
         idx = torch.from_numpy(order).to(self.device)
         # One gather per epoch, then views: cheaper per step than indexing every batch.
-        x, y = self.x["train"][idx], self.y["train"][idx]
+        x, y = self.x_train[idx], self.y_train[idx]
         bs = self.workload.training.batch_size
         losses, preds = [], []
         for start in range(0, len(idx), bs):
@@ -186,34 +194,23 @@ class TorchBackend(Backend):
         sizes = torch.tensor([len(p) for p in preds], dtype=torch.float32, device=self.device)
         loss_sum = (torch.stack(losses) * sizes).sum()
         correct = (torch.cat(preds) == y).sum()
-        return loss_sum.item() / n, correct.item() / n  # .item() fetches to the host: the sync
+        return loss_sum / n, correct / n  # device scalars: the worker fetches them and syncs
 
     @torch.no_grad()
-    def _logits(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+    def scores(self, x: torch.Tensor, batch_size: int) -> torch.Tensor:
         assert self.net is not None
         self.net.eval()
-        return torch.cat([self.net(x[s:s + batch]) for s in range(0, len(x), batch)]) if len(x) else \
-            torch.zeros((0, self.workload.num_classes), device=self.device)
-
-    def evaluate(self, split: str) -> tuple[float, float]:
-        logits = self._logits(self.x[split], _EVAL_BATCH)
-        y = self.y[split]
-        return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
-
-    def predict(self) -> np.ndarray:
-        probs = torch.softmax(self._logits(self.x["test"], self.workload.inference.batch_size), dim=1)
-        return probs.cpu().numpy()
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        logits = self._logits(self._tensor(x.astype(np.float32)), _EVAL_BATCH)
-        return torch.softmax(logits, dim=1).double().cpu().numpy()
+        if not len(x):
+            return torch.zeros((0, self.workload.num_classes), device=self.device)
+        logits = torch.cat([self.net(x[s:s + batch_size]) for s in range(0, len(x), batch_size)])
+        return torch.softmax(logits, dim=1)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         assert self.net is not None
         self.net.eval()  # dropout off; there is no layer whose gradient depends on the mode
         losses = []
         for xb, yb in batches:
-            loss = F.cross_entropy(self.net(self._tensor(xb)), torch.from_numpy(yb.astype(np.int64)).to(self.device))
+            loss = F.cross_entropy(self.net(self.to_device(xb)), torch.from_numpy(yb.astype(np.int64)).to(self.device))
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self._step()
