@@ -112,7 +112,9 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
                             inference_only=inference_only, options=options, output=out)
     try:
-        r = runner.Runner(plan, progress=_err)
+        from .executors.local import LocalExecutor
+
+        r = runner.Runner(plan, LocalExecutor(), progress=_err)
     except OSError as exc:
         raise UsageFailure(f"{out}: cannot write results: {exc.strerror}") from None
     try:

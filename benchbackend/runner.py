@@ -92,12 +92,10 @@ def worker_environ(spec: backends.BackendSpec, device: str = "cpu", threads: Opt
 class Runner:
     """Runs a :class:`RunPlan`; ``progress`` receives human-readable lines (the CLI prints them)."""
 
-    def __init__(self, plan: RunPlan, progress: Progress = lambda s: None, executor: Any = None):
-        from .executors.local import LocalExecutor
-
+    def __init__(self, plan: RunPlan, executor: Any, progress: Progress = lambda s: None):
         self.plan = plan
         self.progress = progress
-        self.executor = executor or LocalExecutor()
+        self.executor = executor  # runs the groups: executors.local.LocalExecutor, executors.ray.RayExecutor
         self.run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self.env = results.environment()
         self.writer = results.CsvWriter(plan.output)
