@@ -1,0 +1,147 @@
+"""The spec's ONNX graph and the inference-only runtimes that run it (onnxruntime, OpenVINO)."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from benchbackend import checks, data, model, worker, workload
+from benchbackend.errors import BackendUnavailable
+
+
+def _have(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+requires_onnx = pytest.mark.skipif(not _have("onnx"), reason="onnx is not installed (pip install onnx)")
+requires_ort = pytest.mark.skipif(not _have("onnx", "onnxruntime"),
+                                  reason="onnxruntime is not installed (pip install 'benchbackend[onnxruntime]')")
+requires_ov = pytest.mark.skipif(not _have("onnx", "openvino"),
+                                 reason="OpenVINO is not installed (pip install 'benchbackend[openvino]')")
+
+ORT = ("benchbackend.backends.onnxruntime:OnnxRuntimeBackend", "default")
+OV = ("benchbackend.backends.openvino:OpenVinoBackend", "latency")
+OV_THROUGHPUT = ("benchbackend.backends.openvino:OpenVinoBackend", "throughput")
+RUNTIMES = [pytest.param(ORT, marks=requires_ort, id="onnxruntime"),
+            pytest.param(OV, marks=requires_ov, id="openvino-latency"),
+            pytest.param(OV_THROUGHPUT, marks=requires_ov, id="openvino-throughput")]
+
+
+def _small(name: str = "mnist") -> workload.Workload:
+    return workload.load(name).with_overrides(limit=256, epochs=1)
+
+
+def _run(tmp_path, w: workload.Workload, runtime: tuple[str, str], precision: str = "fp32",
+         device: str = "cpu") -> tuple[list[dict], tuple[str, str]]:
+    """One inference-only cell in this process: its messages, and the status checks give it."""
+    ds = data.load(w, "synthetic")
+    path = tmp_path / "d.npz"
+    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
+             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    target, mode = runtime
+    msgs: list[dict] = []
+    worker.run_job({"workload": w.to_dict(), "backend": target, "target": target, "mode": mode,
+                    "precision": precision, "device": device, "repeat": 1, "data": str(path), "trains": False,
+                    "options": {"threads": 2}}, msgs.append)
+    rows = [m for m in msgs if m.get("type") == "row"]
+    return msgs, checks.cell_status(rows, w, precision)
+
+
+def _adapter(runtime: tuple[str, str], w: workload.Workload, precision: str = "fp32"):
+    backend = worker.load_target(runtime[0])(w, "cpu", runtime[1], precision, {"threads": 2})
+    backend.build(model.initial_weights(w, 1))
+    return backend
+
+
+@requires_onnx
+def test_graph_is_a_checked_opset_17_model_with_a_dynamic_batch():
+    import onnx
+
+    from benchbackend.backends import onnx_graph
+
+    w = _small("cifar10")
+    m = onnx_graph.build_model(w, model.initial_weights(w))
+    onnx.checker.check_model(m, full_check=True)
+    assert [o.version for o in m.opset_import if o.domain in ("", "ai.onnx")] == [onnx_graph.OPSET]
+    dims = m.graph.input[0].type.tensor_type.shape.dim
+    assert dims[0].dim_param and [d.dim_value for d in dims[1:]] == [32, 32, 3]
+    assert onnx_graph.param_count(m) == model.param_count(w)
+    assert not any(n.op_type == "Dropout" for n in m.graph.node)
+    fixed = onnx_graph.build_model(w, model.initial_weights(w), batch_size=4)
+    assert fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value == 4
+
+
+@requires_onnx
+def test_graph_matches_the_reference_under_onnx_own_evaluator():
+    from onnx.reference import ReferenceEvaluator
+
+    from benchbackend.backends import onnx_graph, reference
+
+    w = _small("mnist")
+    weights = model.initial_weights(w, 1)
+    x = data.normalize(data.load(w, "synthetic").x_val[:4])
+    out = ReferenceEvaluator(onnx_graph.build_model(w, weights)).run(None, {onnx_graph.INPUT: x})[0]
+    max_abs, max_rel = checks.parity_errors(np.asarray(out, np.float64), reference.forward(w, weights, x))
+    assert max_rel < w.checks.parity_rtol
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("name", ["mnist", "cifar10"])
+def test_forward_parity_at_fp32(tmp_path, runtime, name):
+    w = _small(name)
+    msgs, (status, msg) = _run(tmp_path, w, runtime)
+    parity = [m for m in msgs if m.get("phase") == "parity"]
+    assert len(parity) == 1 and parity[0]["parity_max_rel"] < w.checks.parity_rtol, msgs
+    assert status == "ok", msg
+    assert not [m for m in msgs if m.get("phase") == "train_epoch"]  # inference only
+    assert len([m for m in msgs if m.get("phase") == "inference"]) == w.inference.repeats
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_graph_without_the_flatten_permutation_fails_parity(tmp_path, monkeypatch, runtime):
+    from benchbackend.backends import onnx_graph
+
+    monkeypatch.setattr(onnx_graph, "nhwc_to_nchw_rows", lambda h, w, c: np.arange(h * w * c))
+    _, (status, msg) = _run(tmp_path, _small("mnist"), runtime)
+    assert status == "parity_mismatch", msg
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_batches_land_in_order(runtime):
+    """Scores in batches of 7 (a short last batch, several requests in flight) equal one big batch."""
+    w = _small("mnist")
+    backend = _adapter(runtime, w)
+    x = backend.to_device(data.normalize(data.load(w, "synthetic").x_val[:40]))
+    one = backend.to_host(backend.scores(x, 1024))
+    assert one.shape == (40, w.num_classes)
+    np.testing.assert_allclose(backend.to_host(backend.scores(x, 7)), one, rtol=1e-5, atol=1e-7)
+
+
+@requires_ov
+def test_openvino_runs_fp32_when_asked_and_says_so():
+    backend = _adapter(OV, _small("mnist"))
+    assert backend.inference_precision() == "f32"
+    assert backend.details()["inference_precision"] == "f32"
+
+
+@requires_ov
+def test_openvino_bf16_is_bf16_or_unavailable(tmp_path):
+    import openvino as ov
+
+    w = _small("mnist")
+    msgs, (status, msg) = _run(tmp_path, w, OV, precision="bf16")
+    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        assert msgs[0]["type"] == "unavailable" and "bf16" in msgs[0]["message"]
+        return
+    build = [m for m in msgs if m.get("phase") == "build"][0]
+    assert "inference_precision bf16" in build["message"]
+    assert status == "ok", msg  # within the bf16 tolerance
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_an_unknown_device_is_unavailable(tmp_path, runtime):
+    with pytest.raises(BackendUnavailable, match="unknown device 'tpu'"):
+        worker.load_target(runtime[0])(_small(), "tpu", runtime[1])
+    msgs, _ = _run(tmp_path, _small(), runtime, device="tpu")
+    assert msgs[0]["type"] == "unavailable"
