@@ -33,7 +33,8 @@ class OpenVinoBackend(Backend):
         if plugin is None:
             raise BackendUnavailable(f"openvino: unknown device '{device}'; use cpu or gpu")
         if plugin not in self.core.available_devices:
-            raise BackendUnavailable(f"OpenVINO sees no {plugin} device (it has {', '.join(self.core.available_devices)}); "
+            have = ", ".join(self.core.available_devices)
+            raise BackendUnavailable(f"OpenVINO sees no {plugin} device (it has {have}); "
                                      "its GPU plugin drives Intel GPUs only")
         if precision == "bf16" and "BF16" not in self.core.get_property(plugin, "OPTIMIZATION_CAPABILITIES"):
             raise BackendUnavailable(f"OpenVINO's {plugin} plugin has no bf16 on this machine")
@@ -59,9 +60,9 @@ class OpenVinoBackend(Backend):
         if self.compiled is None:
             return {}
         c = self.compiled
-        return {"inference_precision": self.inference_precision(), "performance_hint": str(c.get_property("PERFORMANCE_HINT")),
-                "streams": c.get_property("NUM_STREAMS"), "requests": c.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"),
-                "opset": onnx_graph.OPSET}
+        return {"inference_precision": self.inference_precision(),
+                "performance_hint": str(c.get_property("PERFORMANCE_HINT")), "streams": c.get_property("NUM_STREAMS"),
+                "requests": c.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"), "opset": onnx_graph.OPSET}
 
     def inference_precision(self) -> str:
         """The precision the compiled model runs in, as OpenVINO reports it ("f32", "bf16", ...)."""
@@ -87,11 +88,14 @@ class OpenVinoBackend(Backend):
         starts = range(0, len(x), batch_size)
         if self.queue is None:
             for s in starts:
-                out[s:s + batch_size] = self.request.infer({0: x[s:s + batch_size]}, share_inputs=True)[0]
+                out[s:s + batch_size] = self.request.infer({0: x[s:s + batch_size]}, share_inputs=True,
+                                                            share_outputs=True)[0]
             return out
         # THROUGHPUT: batches in flight on several streams at once; each lands in its own rows.
-        self.queue.set_callback(lambda request, s: out.__setitem__(slice(s, s + batch_size),
-                                                                   request.get_output_tensor(0).data))
+        def done(request: ov.InferRequest, s: int) -> None:
+            out[s:s + batch_size] = request.get_output_tensor(0).data
+
+        self.queue.set_callback(done)
         for s in starts:
             self.queue.start_async({0: x[s:s + batch_size]}, userdata=s, share_inputs=True)
         self.queue.wait_all()
