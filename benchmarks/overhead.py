@@ -93,7 +93,7 @@ def measure(backend: str, workload_name: str, limit: int, epochs: int) -> dict:
     """Runs inside a fresh process for one backend."""
     from benchbackend import data, model, workload
     from benchbackend.backends import get
-    from benchbackend.timing import timed
+    from benchbackend.timing import timed_region
 
     spec = get(backend)
     for k, v in spec.env("cpu").items():
@@ -103,15 +103,18 @@ def measure(backend: str, workload_name: str, limit: int, epochs: int) -> dict:
     x, xv, xte = (data.normalize(a) for a in (ds.x_train, ds.x_val, ds.x_test))
     orders = data.epoch_orders(len(ds.y_train), epochs, w.seed)
     weights = model.initial_weights(w, 1)
-    adapter = spec.load_class()(w, "cpu")
+    adapter = spec.load_class()(w, "cpu", spec.default_mode)
     adapter.build(weights)
-    adapter.set_data(x, ds.y_train, xv, ds.y_val, xte, ds.y_test)
+    adapter.set_data(x, ds.y_train)
     plain = {"torch": _plain_torch, "tensorflow": _plain_tensorflow}[backend](w, weights, x, ds.y_train, orders)
     times: dict[str, list[float]] = {"adapter": [], "plain": []}
     for e, order in enumerate(orders):
-        first, second = (("adapter", lambda: adapter.train_epoch(order)), ("plain", lambda: plain(order)))[:: 1 if e % 2 == 0 else -1]
+        # The adapter is timed as the worker times it: to_host on its result, sync, then the clock.
+        timed_adapter = lambda: timed_region(lambda: adapter.train_epoch(order), adapter.to_host, adapter.sync)  # noqa: E731
+        timed_plain = lambda: timed_region(lambda: plain(order), None, lambda: None)  # noqa: E731
+        first, second = (("adapter", timed_adapter), ("plain", timed_plain))[:: 1 if e % 2 == 0 else -1]
         for name, fn in (first, second):
-            _, s = timed(fn)
+            _, s = fn()
             times[name].append(s)
     steady = {k: float(np.median(v[1:])) for k, v in times.items()}  # epoch 1 apart: tracing, warm-up
     return {"backend": backend, "workload": workload_name, "samples": len(ds.y_train), **steady,

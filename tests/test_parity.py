@@ -17,10 +17,18 @@ def _npz(tmp_path, w):
 
 
 def _run(tmp_path, w, backend, parity_steps=0):
+    from benchbackend import backends
+
     rows = []
-    job = {"workload": w.to_dict(), "backend": backend, "device": "cpu", "repeat": 1, "data": _npz(tmp_path, w),
-           "parity_steps": parity_steps}
-    worker.run_job(job, lambda m: rows.append(m) if m.get("type") == "row" else None)
+    spec = backends.get(backend)
+    job = {"workload": w.to_dict(), "backend": backend, "target": spec.target, "mode": spec.default_mode,
+           "device": "cpu", "repeat": 1, "data": _npz(tmp_path, w), "parity_steps": parity_steps}
+
+    def keep(m):
+        if m.get("type") == "row":
+            rows.append(checks.trajectory(m, w) if m.get("losses") is not None else m)
+
+    worker.run_job(job, keep)
     return rows, checks.cell_status(rows, w)
 
 
@@ -72,14 +80,15 @@ def test_trajectory_catches_a_wrong_optimizer(tmp_path):
 
     w = _small()
     wrong = w.model_copy(update={"training": w.training.model_copy(update={"lr": w.training.lr * 2})})
-    b = TorchBackend(wrong, "cpu")
+    b = TorchBackend(wrong, "cpu", "eager")
     weights = model.initial_weights(w, 1)
     b.build(weights)
     ds = data.load(w, "synthetic")
     arrays = {"x_train": data.normalize(ds.x_train), "y_train": ds.y_train, "x_val": data.normalize(ds.x_val),
               "orders": data.epoch_orders(len(ds.y_train), 1, w.seed)}
     rows = []
-    worker._parity(b, w, weights, arrays, 5, rows.append, {"type": "row"})
+    cell = worker.Cell(b, w, arrays, lambda m: rows.append(checks.trajectory(m, w) if m.get("losses") else m))
+    worker._parity(cell, weights, 5, {"type": "row"})
     traj = rows[-1]
     assert traj["parity_step"] is not None and traj["parity_step"] <= 5
     assert checks.cell_status(rows, w)[0] == "parity_mismatch"

@@ -107,18 +107,20 @@ def test_write_report_writes_pngs_and_index(frame: pd.DataFrame, tmp_path: Path)
     assert all(f'src="{p.name}"' in page for p in pngs) and "table &lt;here&gt;" in page
 
 
-def test_write_report_defaults_to_the_compare_table(frame: pd.DataFrame, tmp_path: Path) -> None:
-    page = plots.write_report(frame, tmp_path / "out")[-1].read_text()
+def test_compare_then_plots_puts_the_compare_table_in_the_report(frame: pd.DataFrame, tmp_path: Path) -> None:
+    from benchbackend.compare import compare_frame
+
+    page = plots.write_report(frame, tmp_path / "out", compare_frame(frame).table_text)[-1].read_text()
     assert "fastest correct" in page and "baseline: numpy" in page
 
 
 def test_single_epoch_and_unwritable_folder(tmp_path: Path) -> None:
     df = _write(tmp_path / "one.csv", epochs=1, repeats=1)
-    assert len(plots.write_report(df, tmp_path / "one")) == 4
+    assert len(plots.write_report(df, tmp_path / "one", "")) == 4
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ResultsError, match="cannot write plots"):
-        plots.write_report(df, blocker / "sub")
+        plots.write_report(df, blocker / "sub", "")
 
 
 def test_importing_plots_does_not_import_matplotlib() -> None:

@@ -231,29 +231,34 @@ def arrays(wl: wl_mod.Workload) -> tuple[np.ndarray, ...]:
 def test_backend_trains_mnist_above_chance() -> None:
     from benchbackend.data import epoch_orders
 
+    from benchbackend.worker import Cell
+
     wl = mnist(512)
-    backend = NumpyBackend(wl, "cpu")
+    backend = NumpyBackend(wl, "cpu", "reference")
     assert backend.build(initial_weights(wl)) == param_count(wl)
-    backend.set_data(*arrays(wl))
+    x_train, y_train, x_val, y_val, x_test, y_test = arrays(wl)
+    backend.set_data(x_train, y_train)
+    cell = Cell(backend, wl, {"x_val": x_val, "y_val": y_val, "x_test": x_test, "y_test": y_test}, lambda m: None)
     losses = []
     for order in epoch_orders(512, 4, wl.seed):
-        loss, acc = backend.train_epoch(order)
-        assert isinstance(loss, float) and isinstance(acc, float) and 0 <= acc <= 1
+        (loss, acc), _ = cell.region(lambda: backend.train_epoch(order))
+        loss, acc = float(loss), float(acc)
+        assert 0 <= acc <= 1
         losses.append(loss)
     assert losses[-1] < losses[0]
-    val_loss, val_acc = backend.evaluate("val")
+    val_loss, val_acc = cell.evaluate("val")
     assert math.isfinite(val_loss)
-    assert chance_accuracy(val_acc, len(backend.data["val"][1]), wl.num_classes, alpha=0.01) is None
-    scores = backend.predict()
-    assert scores.shape == (wl.data.test, wl.num_classes) and isinstance(scores, np.ndarray)
+    assert chance_accuracy(val_acc, len(y_val), wl.num_classes, alpha=0.01) is None
+    scores, seconds = cell.predict()
+    assert scores.shape == (wl.data.test, wl.num_classes) and isinstance(scores, np.ndarray) and seconds > 0
     np.testing.assert_allclose(scores.sum(axis=1), 1.0, rtol=1e-5)
-    assert backend.evaluate("test")[1] == pytest.approx(float(np.mean(scores.argmax(1) == arrays(wl)[5])))
+    assert cell.evaluate("test")[1] == pytest.approx(float(np.mean(scores.argmax(1) == y_test)))
 
 
 def test_backend_contract_and_parity_with_the_float64_reference() -> None:
     wl = mnist(256)
     weights = initial_weights(wl)
-    backend = NumpyBackend(wl, "cpu")
+    backend = NumpyBackend(wl, "cpu", "reference")
     backend.build(weights)
     copies = backend.get_weights()
     for a, b in zip(copies, weights):
@@ -262,10 +267,11 @@ def test_backend_contract_and_parity_with_the_float64_reference() -> None:
     weights[0][...] = 0  # and build() copied its input
     assert np.any(backend.get_weights()[0] != 0)
     weights = initial_weights(wl)
-    assert backend.device_id() == "cpu" and backend.mode == "float32" and backend.gpu_name() == ""
+    assert backend.device_id() == "cpu" and backend.mode == "reference" and backend.gpu_name() == ""
     assert backend.version() == np.__version__ and NumpyBackend.probe()["devices"][0] == "cpu"
     x = arrays(wl)[2][:8]
-    out, ref = backend.forward(x), reference.forward(wl, weights, x.astype(np.float64))
+    out = np.asarray(backend.to_host(backend.scores(backend.to_device(x), 8)), np.float64)
+    ref = reference.forward(wl, weights, x.astype(np.float64))
     assert out.dtype == ref.dtype == np.float64 and out.shape == (8, 10)
     max_abs, max_rel = parity_errors(out, ref)
     assert max_rel < wl.checks.parity_rtol
@@ -283,7 +289,7 @@ def test_train_steps_follow_the_float64_reference(optimizer: str) -> None:
     # the first loss is that of the initial weights, before any update
     first = reference.forward(wl, weights, x[:32].astype(np.float64))
     assert ref[0] == pytest.approx(float(-np.log(first[np.arange(32), y[:32]]).mean()), rel=1e-12)
-    backend = NumpyBackend(wl, "cpu")
+    backend = NumpyBackend(wl, "cpu", "reference")
     backend.build(weights)
     np.testing.assert_allclose(backend.train_steps(steps), ref, rtol=1e-4)
 
@@ -299,15 +305,23 @@ def test_train_losses_disable_dropout() -> None:
 def test_devices() -> None:
     wl = mnist(64)
     with pytest.raises(BackendUnavailable, match="cpu or gpu"):
-        NumpyBackend(wl, "opencl")
+        NumpyBackend(wl, "opencl", "reference")
     if importlib.util.find_spec("cupy") is None:
         with pytest.raises(BackendUnavailable, match="CuPy.*not found"):
-            NumpyBackend(wl, "gpu")
+            NumpyBackend(wl, "gpu", "reference")
         assert NumpyBackend.probe()["devices"] == ["cpu"]
-    backend = NumpyBackend(wl, "cpu")
-    backend.build(initial_weights(wl))
-    with pytest.raises(ValueError, match="split"):
-        backend.evaluate("train")
+
+
+def test_fp64_precision_computes_in_float64() -> None:
+    wl = mnist(64)
+    weights = initial_weights(wl)
+    backend = NumpyBackend(wl, "cpu", "reference", "fp64")
+    backend.build(weights)
+    x = arrays(wl)[2][:8]
+    out = backend.to_host(backend.scores(backend.to_device(x), 8))
+    assert out.dtype == np.float64
+    max_abs, max_rel = parity_errors(out, reference.forward(wl, weights, x.astype(np.float64)))
+    assert max_rel < wl.checks.tolerance("fp64").rtol  # 1e-9: only float64 all the way through passes
 
 
 def test_library_modules_import_no_framework() -> None:

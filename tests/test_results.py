@@ -36,7 +36,7 @@ def test_set_status_rewrites_only_the_cell(tmp_path):
 @pytest.mark.parametrize("mutate, needle", [
     (lambda t: t[: t.rindex(",", 0, len(t) - 40)], "truncated"),
     (lambda t: t.rstrip("\n"), "truncated"),
-    (lambda t: t.replace("\n1,", "\n99,", 1), "schema_version 99 is newer"),
+    (lambda t: t.replace(f"\n{results.SCHEMA_VERSION},", "\n99,", 1), "schema_version 99 is newer"),
     (lambda t: t.replace("1.25", "fast", 1), "column seconds is not a number: 'fast'"),
     (lambda t: "a,b\n1,2\n", "missing columns"),
     (lambda t: "", "empty file"),

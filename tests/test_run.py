@@ -101,16 +101,18 @@ kill -9 $$
 
 def run_with_fake_interpreter(tmp_path, monkeypatch, script: str, repeats: int):
     """A real Runner whose workers are started by ``script`` instead of Python."""
+    from benchbackend import plan as planning
     from benchbackend import runner, workload
+    from benchbackend.executors.local import LocalExecutor
 
     fake = tmp_path / "fakepython"
     fake.write_text(script)
     fake.chmod(0o755)
     monkeypatch.setattr(runner, "python_for", lambda spec: str(fake))
     w = workload.load("mnist").with_overrides(limit=64, epochs=1)
-    plan = runner.RunPlan(workloads=[w], backends=["numpy"], repeats=repeats, data_source="synthetic",
-                          output=tmp_path / "c.csv")
-    return runner.Runner(plan).run()
+    plan = planning.RunPlan(workloads=[w], choices=planning.resolve(["numpy"], [], []), repeats=repeats,
+                            data_source="synthetic", output=tmp_path / "c.csv")
+    return runner.Runner(plan, LocalExecutor()).run()
 
 
 def test_crashed_worker_keeps_rows_and_stderr_tail(tmp_path, monkeypatch):
@@ -140,6 +142,7 @@ def test_ctrl_c_writes_what_was_measured_and_exits_130(tmp_path):
     df = results.read(out_csv)
     assert (df.phase == "train_epoch").sum() >= 1
     assert "interrupted" in err and "Traceback" not in err
+    assert set(df["status"]) == {"interrupted"}  # the running cell, every row of it, and nothing else
 
 
 @requires_torch

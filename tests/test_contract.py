@@ -1,0 +1,107 @@
+"""The backend contract: the worker ends timed regions, the registry is the one source, modes and
+precisions are matrix dimensions validated against it."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from benchbackend import backends, data, results, worker, workload
+from benchbackend.cli import main
+from conftest import ROOT, cli
+
+LAZY = backends.BackendSpec("lazy", "support.lazy_backend:LazyNumpyBackend", "numpy", "numpy", "(test only)",
+                            "the NumPy reference on a simulated asynchronous device",
+                            modes=(backends.Mode("reference", "the reference, its device busy after every call"),))
+
+
+def _npz(tmp_path, w):
+    ds = data.load(w, "synthetic")
+    path = tmp_path / "d.npz"
+    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
+             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    return str(path)
+
+
+def test_timed_regions_include_the_device_work_that_only_sync_waits_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAZY_DELAY", "0.4")
+    w = workload.load("mnist").with_overrides(limit=64, epochs=2)
+    msgs: list[dict] = []
+    job = {"workload": w.to_dict(), "backend": "lazy", "target": LAZY.target, "mode": "reference",
+           "device": "cpu", "repeat": 1, "data": _npz(tmp_path, w), "trains": True}
+    worker.run_job(job, msgs.append)
+    timed = [m for m in msgs if m.get("phase") in ("train_epoch", "inference")]
+    assert len(timed) == 2 + w.inference.repeats
+    # 64 samples take milliseconds; the simulated device is busy 0.4 s after each call.
+    assert all(m["seconds"] >= 0.4 for m in timed), [m["seconds"] for m in timed]
+
+
+def test_a_backend_registered_only_in_the_tests_runs_through_benchbackend_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(backends.BACKENDS, "lazy", LAZY)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    monkeypatch.setenv("LAZY_DELAY", "0")
+    out = tmp_path / "lazy.csv"
+    result = CliRunner().invoke(main, ["run", "mnist", "-b", "lazy", "--data", "synthetic", "--limit", "1024",
+                                       "--epochs", "1", "--repeats", "1", "-o", str(out), "--no-plots"])
+    assert result.exit_code == 0, result.output
+    df = results.read(out)
+    assert set(df["backend"]) == {"lazy"} and set(df["status"]) == {"ok"}
+    assert set(df["mode"]) == {"reference"} and set(df["precision"]) == {"fp32"}
+    assert {"build", "parity", "train_epoch", "inference"} <= set(df["phase"])
+
+
+def test_inference_only_runs_build_parity_and_inference(tmp_path):
+    out = tmp_path / "inf.csv"
+    r = cli("run", "mnist", "-b", "numpy", "--inference-only", "--data", "synthetic", "--limit", "256",
+            "--repeats", "1", "-o", str(out), "--no-plots")
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = results.read(out)
+    assert set(df["phase"]) == {"build", "parity", "inference"} and set(df["status"]) == {"ok"}
+    assert set(df["inference_only"].astype(str)) == {"True"}
+
+
+def test_precision_is_a_matrix_dimension(tmp_path):
+    out = tmp_path / "p.csv"
+    r = cli("run", "mnist", "-b", "numpy", "--precision", "fp32", "--precision", "fp64", "--data", "synthetic",
+            "--limit", "256", "--epochs", "1", "--repeats", "1", "-o", str(out), "--no-plots")
+    df = results.read(out)
+    assert set(df["precision"]) == {"fp32", "fp64"}, r.stderr[-2000:]
+    parity = df[(df.phase == "parity")].set_index("precision")["parity_max_rel"]
+    assert parity["fp64"] < 1e-9 < parity["fp32"]  # fp64 really computes in float64
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-b", "numpy", "--mode", "numpy:eager"], "unknown mode 'numpy:eager'; modes are numpy: reference"),
+    (["-b", "numpy", "--mode", "jit"], "unknown mode 'jit'"),
+    (["-b", "numpy", "--precision", "fp8"], "unknown precision 'fp8'; precisions are numpy: fp32, fp64"),
+    (["-b", "numpy", "--mode", "torch:eager"], "backend 'torch' is not among the backends of this run"),
+    (["-b", "caffe"], "unknown backend 'caffe'; choose from numpy, torch"),
+])
+def test_unknown_backend_mode_or_precision_is_one_line_exit_2(args, needle, tmp_path):
+    r = cli("run", "mnist", *args, "--data", "synthetic", "-o", str(tmp_path / "x.csv"))
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.csv").exists()
+
+
+def test_a_precision_one_backend_lacks_is_an_unavailable_row_for_it(tmp_path):
+    from benchbackend import plan
+
+    choices = plan.resolve(["numpy", "torch"], [], ["fp64"])
+    assert [(c.backend, c.precision, bool(c.problem)) for c in choices] == [("numpy", "fp64", False),
+                                                                          ("torch", "fp64", True)]
+    assert "torch has no precision fp64; it has fp32" in choices[1].problem
+
+
+def test_list_shows_modes_and_precisions_of_every_registered_backend():
+    out = CliRunner().invoke(main, ["list", "--no-probe"]).output
+    for spec in backends.BACKENDS.values():
+        assert re.search(rf"{re.escape(spec.name)}\s+precisions: {re.escape(', '.join(spec.precisions))}", out)
+        for m in spec.modes:
+            assert m.name in out and m.description in out
+
+
+def test_readme_backend_table_is_the_registry():
+    table = CliRunner().invoke(main, ["list", "--markdown"]).output.strip()
+    assert table in (ROOT / "README.md").read_text(), "paste `benchbackend list --markdown` into README.md"
