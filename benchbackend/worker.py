@@ -148,7 +148,11 @@ def run_job(job: dict[str, Any], emit: Emit) -> None:
           "mode": backend.mode, "precision": backend.precision, "gpu": backend.gpu_name(),
           "python": platform.python_version(), "threads": _threads(backend)})
 
-    params, seconds = cell.region(lambda: backend.build(weights), host=False)
+    try:
+        params, seconds = cell.region(lambda: backend.build(weights), host=False)
+    except BackendUnavailable as exc:  # e.g. a GPU provider that only fails to load at build time
+        emit({"type": "unavailable", "message": str(exc).splitlines()[0]})
+        return
     expected = param_count(workload)
     if params != expected:
         raise RuntimeError(f"{job['backend']} built {params} parameters; the spec has {expected}")
