@@ -4,8 +4,16 @@ A backend whose framework cannot share the main environment (PlaidML 0.7 pins Ke
 clashes with TensorFlow 2.x) runs its worker from a virtual environment of its own. ``setup``
 builds it with the current interpreter's ``venv``, installs the pins from
 ``configs/<name>-requirements.txt`` plus the worker's own imports, verifies it by running the
-worker's device probe inside it, and then writes a marker file. ``is_ready`` and
+worker's device probe inside it, and then completes a marker file. ``is_ready`` and
 ``package_version`` only read files, so ``list`` and ``--help`` stay fast.
+
+Install steps that a plain ``pip install -r`` cannot express (one package built without build
+isolation, say) are declared beside the pins as directive lines, ``#! pip install ARGS``, which
+pip reads as comments; they run in file order after the plain lines (see ``install_steps``).
+
+Ownership: the marker is written the moment the folder is created, as a stub, and completed after
+a successful probe. ``setup`` installs into, repairs or deletes only a folder that carries it: a
+non-empty folder without it (a user's own venv, anything else) is refused and left intact.
 
 Location: ``$BENCHBACKEND_ENVS/<name>`` when that variable is set, else
 ``$XDG_DATA_HOME/benchbackend/envs/<name>`` (``~/.local/share/...``). ``setup(path=DIR)`` builds
@@ -21,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,6 +54,8 @@ class Probe:
 #: What ``benchbackend.worker`` itself imports (keep in step with pyproject's dependencies).
 WORKER_REQUIREMENTS: tuple[str, ...] = ("numpy>=1.23", "pyyaml>=6", "pydantic>=2.5")
 MARKER = "benchbackend-env.json"
+CREATED_BY = "benchbackend"
+DIRECTIVE = "#!"
 _VENV_TIMEOUT_S = 300
 _PIP_TIMEOUT_S = 1800
 _PROBE_TIMEOUT_S = 180
@@ -98,9 +109,49 @@ def _requirements_digest(name: str) -> Optional[str]:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+# pip install options that take a value, so that the value is not read as a package.
+_VALUE_OPTIONS = frozenset({"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-c", "--constraint",
+                            "-r", "--requirement", "-C", "--config-settings", "--global-option", "--platform",
+                            "--python-version", "--implementation", "--abi", "--only-binary", "--no-binary"})
+
+
+def install_steps(path: Path) -> list[list[str]]:
+    """The ``pip install`` arguments of each ``#! pip install ...`` line of a pins file, in order.
+
+    Only ``pip install`` is allowed, so a pins file cannot run arbitrary commands; anything else
+    after ``#!`` is an ``EnvError`` naming the file and the line.
+    """
+    steps: list[list[str]] = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.startswith(DIRECTIVE):
+            continue
+        try:
+            words = shlex.split(line[len(DIRECTIVE):])
+        except ValueError as exc:
+            raise EnvError(f"{path}:{number}: cannot parse the install step ({exc})") from None
+        if words[:2] != ["pip", "install"] or len(words) < 3:
+            raise EnvError(f"{path}:{number}: an install step must read '#! pip install ARGS'; got {line.strip()!r}")
+        steps.append(words[2:])
+    return steps
+
+
+def _step_packages(args: list[str]) -> list[str]:
+    packages, skip = [], False
+    for word in args:
+        if skip:
+            skip = False
+        elif word.startswith("-"):
+            skip = word in _VALUE_OPTIONS
+        else:
+            packages.append(word)
+    return packages
+
+
 def _requirement_names(name: str) -> list[str]:
-    lines = requirements_file(name).read_text().splitlines() + list(WORKER_REQUIREMENTS)
-    names = [re.split(r"[<>=!~;\[\s]", ln.strip(), maxsplit=1)[0] for ln in lines]
+    req = requirements_file(name)
+    lines = req.read_text().splitlines() + list(WORKER_REQUIREMENTS)
+    lines += [pkg for step in install_steps(req) for pkg in _step_packages(step)]
+    names = [re.split(r"[<>=!~;@\[\s]", ln.strip(), maxsplit=1)[0] for ln in lines]
     return list(dict.fromkeys(n for n in names if n and not n.startswith(("#", "-"))))
 
 
@@ -118,7 +169,7 @@ def _marker_problem(name: str, env: Path) -> Optional[str]:
     if not _python_in(env).exists():
         return f"no environment at {env}"
     marker = _read_marker(env)
-    if marker is None:
+    if marker is None or not marker.get("built"):
         return f"the environment at {env} is incomplete (no successful setup recorded)"
     digest = _requirements_digest(name)
     if digest and marker.get("requirements") != digest:
@@ -256,12 +307,18 @@ def setup(name: str, check: Probe, *, path: Optional[Path] = None, check_only: b
     """Build (or reuse, or repair) the isolated environment ``name``; return its status.
 
     A healthy env is reused without reinstalling. An incomplete or outdated one gets the pins
-    installed over it; when the probe still fails, it is rebuilt from scratch once. ``check_only``
-    reports the state and changes nothing. Failures raise ``EnvError`` naming the step and the log.
+    installed over it; when the probe still fails, it is rebuilt from scratch once. Only a folder
+    that is empty, absent or carries this module's marker is touched: anything else raises
+    ``EnvError`` before a file is written. ``check_only`` reports the state and changes nothing.
+    Failures raise ``EnvError`` naming the step and the log.
     """
     if check_only:
         return status(name, check, path, verify=True)
     env = Path(path).expanduser().absolute() if path else env_dir(name)
+    not_ours = _ownership_problem(name, env)
+    if not_ours:
+        raise EnvError(not_ours)
+    install_steps(requirements_file(name))  # a malformed install step fails before anything changes
     if _marker_problem(name, env) is None:
         st = status(name, check, env, verify=True)
         if st.ready:
@@ -281,28 +338,58 @@ def setup(name: str, check: Probe, *, path: Optional[Path] = None, check_only: b
         log(f"{name}: still broken after installing the pins; rebuilding it from scratch")
         _prepare(name, env, logfile, log, fresh=True)
         info = _install_and_probe(name, check, env, logfile, log)
-    marker = {"name": name, "requirements": _requirements_digest(name), "version": info.get("version"),
-              "devices": info.get("devices", []), "python": _python_version(env),
-              "built": datetime.datetime.now().isoformat(timespec="seconds")}
-    (env / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    _write_marker(env, name, requirements=_requirements_digest(name), version=info.get("version"),
+                  devices=info.get("devices", []), python=_python_version(env),
+                  built=datetime.datetime.now().isoformat(timespec="seconds"))
     _remember(name, env)
     st = status(name, check, env, verify=False)
     log(f"{name}: {st.message}")
     return st
 
 
+def _ownership_problem(name: str, env: Path) -> Optional[str]:
+    """Why ``setup`` must not touch ``env`` (one line), or None: absent, empty, or ours for ``name``.
+
+    Ours means our marker: the stub written at creation (``created_by``) or a finished build
+    (markers from before the stub existed carry ``built``).
+    """
+    try:
+        if not env.exists() or (env.is_dir() and not any(env.iterdir())):
+            return None
+    except OSError as exc:
+        return f"cannot read {env}: {exc}"
+    marker = _read_marker(env)
+    if marker is None or not (marker.get("created_by") == CREATED_BY or marker.get("built")):
+        return (f"{env} is not empty and was not created by benchbackend (it has no {MARKER}); it is left "
+                f"as it is: move it away or choose another place with `benchbackend setup {name} --path DIR`")
+    if marker.get("name", name) != name:
+        return (f"{env} holds benchbackend's {marker.get('name')} environment, not {name}; choose another "
+                f"place with `benchbackend setup {name} --path DIR`")
+    return None
+
+
+def _write_marker(env: Path, name: str, **fields: Any) -> None:
+    """Write the marker: a stub (``created_by`` + ``name``) at creation, completed by ``fields`` later."""
+    marker = {"created_by": CREATED_BY, "name": name, **fields}
+    (env / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
 def _prepare(name: str, env: Path, logfile: Path, log: Callable[[str], None], fresh: bool = False) -> bool:
-    """Make ``env`` a working venv without a marker; True when it was (re)created."""
+    """Make ``env`` (absent, empty or ours) a working venv with a stub marker; True when (re)created."""
     if not fresh and _python_in(env).exists() and _python_runs(env):
         log(f"{name}: repairing the environment at {env}")
-        (env / MARKER).unlink(missing_ok=True)
+        _write_marker(env, name)  # back to a stub: not ready until the probe passes again
         return False
     if env.exists() and any(env.iterdir()):
-        if not (env / "pyvenv.cfg").is_file():
-            raise EnvError(f"{env} exists and is not a virtual environment; move it away or choose "
-                           f"another place with `benchbackend setup {name} --path DIR`")
+        problem = _ownership_problem(name, env)
+        if problem:  # checked by setup already; never delete what is not ours
+            raise EnvError(problem)
         shutil.rmtree(env)
     log(f"{name}: creating a virtual environment at {env} (Python {sys.version.split()[0]})")
+    # The stub goes in before `venv` runs, so that an interrupted setup leaves a folder that the
+    # next setup recognizes as its own and repairs.
+    env.mkdir(parents=True, exist_ok=True)
+    _write_marker(env, name)
     _run([sys.executable, "-m", "venv", str(env)], logfile, f"creating the {name} virtual environment",
          _VENV_TIMEOUT_S)
     return True
@@ -311,8 +398,13 @@ def _prepare(name: str, env: Path, logfile: Path, log: Callable[[str], None], fr
 def _install_and_probe(name: str, check: Probe, env: Path, logfile: Path, log: Callable[[str], None]) -> dict[str, Any]:
     req = requirements_file(name)
     log(f"{name}: installing {req} and the worker's imports (pip log: {logfile})")
-    _run([str(_python_in(env)), "-m", "pip", "install", "--no-input", "-r", str(req), *WORKER_REQUIREMENTS],
-         logfile, f"pip install into the {name} environment", _PIP_TIMEOUT_S)
+    pip = [str(_python_in(env)), "-m", "pip", "install", "--no-input"]
+    _run([*pip, "-r", str(req), *WORKER_REQUIREMENTS], logfile, f"pip install into the {name} environment",
+         _PIP_TIMEOUT_S)
+    for args in install_steps(req):
+        log(f"{name}: pip install {shlex.join(args)}")
+        _run([*pip, *args], logfile, f"pip install {shlex.join(args)} (an install step of {req.name}) into the "
+             f"{name} environment", _PIP_TIMEOUT_S)
     log(f"{name}: verifying: listing the devices {check.backend} sees")
     try:
         info = probe(name, check, env)
