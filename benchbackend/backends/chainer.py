@@ -1,0 +1,322 @@
+"""Chainer adapter: define-by-run, or the same chain with its forward method under ``static_graph``.
+
+Runs in its own environment (``benchbackend setup chainer``: Chainer 7.8.1 needs NumPy < 2).
+
+Modes:
+
+- ``define-by-run``: a ``chainer.Chain`` whose forward pass builds the graph on every call.
+- ``static-graph``: the chain's forward *method* wrapped by ``chainer.static_graph`` (as
+  Chainer's own example does; not ``__call__``). The first call of each input shape traces a
+  schedule, later calls replay it. The loss stays define-by-run, outside the static chain.
+- ``ideep``: define-by-run with Intel's iDeep (MKL-DNN) kernels, when ``ideep4py`` is installed.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy as np
+from chainer.backends import cuda, intel64
+
+from ..errors import BackendUnavailable
+from ..model import describe, final_softmax, flatten_input_shape, nhwc_to_nchw_rows, same_pads
+from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from .base import Backend
+
+_ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
+    "relu": F.relu, "tanh": F.tanh, "sigmoid": F.sigmoid, "softmax": lambda h: F.softmax(h, axis=1)}
+
+
+def _nchw_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[2], shape[0], shape[1]) if len(shape) == 3 else shape
+
+
+class _Net(chainer.Chain):
+    """The workload's layers as links and functions; ``__call__`` returns the logits.
+
+    Dropout comes in two forms. Define-by-run uses ``F.dropout``. Under ``static_graph`` a
+    replayed schedule re-runs each function's ``forward`` on the *same* FunctionNode, and
+    ``F.dropout`` keeps the mask it drew first: every later step would drop the same units. So
+    in static-graph mode the masks are drawn outside the static chain each step and passed in as
+    inputs (the schedule copies new inputs in); in test mode no masks are passed and dropout is
+    the identity.
+    """
+
+    def __init__(self, workload: Workload, static: bool):
+        super().__init__()
+        self.static = static
+        self.ops: list[Callable[[Any, Iterator[Any]], Any]] = []
+        #: (rate, NCHW shape per sample) of each dropout layer, in order.
+        self.dropouts: list[tuple[float, tuple[int, ...]]] = []
+        layers = list(workload.model)
+        with self.init_scope():
+            for i, (layer, info) in enumerate(zip(layers, describe(workload))):
+                last = i == len(layers) - 1
+                if isinstance(layer, Conv2D):
+                    link = L.Convolution2D(info.in_shape[2], layer.filters, layer.kernel_size, layer.stride, pad=0)
+                    setattr(self, f"l{i}", link)
+                    self.ops.append(self._conv(link, layer, info.in_shape))
+                    self._activation(layer.activation, last)
+                elif isinstance(layer, Dense):
+                    link = L.Linear(info.in_shape[0], layer.units)
+                    setattr(self, f"l{i}", link)
+                    self.ops.append(lambda h, masks, link=link: link(h))  # Linear flattens NCHW itself
+                    self._activation(layer.activation, last)
+                elif isinstance(layer, MaxPool2D):
+                    size, stride = layer.pool_size, layer.stride or layer.pool_size
+                    # cover_all=False: Keras' 'valid' pooling drops a partial window; Chainer's default keeps it.
+                    self.ops.append(lambda h, masks, k=size, s=stride: F.max_pooling_2d(h, k, s, cover_all=False))
+                elif isinstance(layer, Dropout):
+                    self.dropouts.append((layer.rate, _nchw_shape(info.in_shape)))
+                    self.ops.append(self._dropout(layer.rate))
+                elif isinstance(layer, ActivationLayer):
+                    self._activation(layer.function, last)
+                elif isinstance(layer, Flatten):
+                    pass  # NCHW stays 4-D: Linear flattens it, and the shared kernels' rows are permuted to match
+        self.weighted = [getattr(self, f"l{i}") for i, layer in enumerate(layers) if isinstance(layer, (Conv2D, Dense))]
+
+    def _conv(self, link: L.Convolution2D, layer: Conv2D, in_shape: tuple[int, ...]) -> Callable[[Any, Any], Any]:
+        if layer.padding != "same":
+            return lambda h, masks: link(h)
+        ph = same_pads(in_shape[0], layer.kernel_size, layer.stride)
+        pw = same_pads(in_shape[1], layer.kernel_size, layer.stride)
+        if ph[0] == ph[1] and pw[0] == pw[1]:
+            link.pad = (ph[0], pw[0])
+            return lambda h, masks: link(h)
+        # TF puts the odd pixel after; Chainer pads symmetrically.
+        widths = ((0, 0), (0, 0), ph, pw)
+        return lambda h, masks: link(F.pad(h, widths, "constant"))
+
+    def _activation(self, name: str, last: bool) -> None:
+        if name != "none" and not (name == "softmax" and last):  # a final softmax is fused into the loss
+            self.ops.append(lambda h, masks, f=_ACTIVATIONS[name]: f(h))
+
+    @staticmethod
+    def _dropout(rate: float) -> Callable[[Any, Iterator[Any]], Any]:
+        def apply(h: Any, masks: Iterator[Any]) -> Any:
+            mask = next(masks, None)
+            return F.dropout(h, rate) if mask is None else h * mask  # F.dropout: identity in test mode
+        return apply
+
+    def body(self, x: Any, *masks: Any) -> Any:
+        """The define-by-run forward pass: logits (before a final softmax)."""
+        h, it = x, iter(masks)
+        for op in self.ops:
+            h = op(h, it)
+        return h
+
+    @chainer.static_graph
+    def static_body(self, x: Any, *masks: Any) -> Any:
+        return self.body(x, *masks)
+
+    def forward(self, x: Any, *masks: Any) -> Any:
+        return self.static_body(x, *masks) if self.static else self.body(x, *masks)
+
+
+class ChainerBackend(Backend):
+    name = "chainer"
+
+    def __init__(self, workload: Workload, device: str, mode: str, precision: str = "fp32",
+                 options: Optional[dict[str, Any]] = None):
+        super().__init__(workload, device, mode, precision, options)
+        if mode not in ("define-by-run", "static-graph", "ideep"):
+            raise BackendUnavailable(f"chainer: unknown mode '{mode}'; use define-by-run, static-graph or ideep")
+        if precision != "fp32":
+            raise BackendUnavailable(f"chainer: precision {precision} is not supported; use fp32")
+        if device == "cpu":
+            self.xp, self.gpu = np, False
+        elif device in ("gpu", "cuda") or device.startswith("cuda:"):
+            if not cuda.available:
+                raise BackendUnavailable("chainer sees no CUDA GPU: CuPy is not importable in the chainer "
+                                         "environment (Chainer 7.8.1 needs cupy>=7.7,<8, which has no wheels for "
+                                         "this Python); use --device cpu")
+            self.xp, self.gpu = cuda.cupy, True
+            self.device = chainer.get_device(f"@cupy:{0 if device in ('gpu', 'cuda') else int(device[5:])}")
+        else:
+            raise BackendUnavailable(f"chainer: unknown device '{device}'; use cpu, gpu or cuda:N")
+        if mode == "ideep":
+            if self.gpu:
+                raise BackendUnavailable("chainer:ideep is a CPU mode (Intel MKL-DNN); use --device cpu")
+            if not intel64.is_ideep_available():
+                raise BackendUnavailable("chainer:ideep needs ideep4py, which has wheels for CPython 2.7-3.7 only "
+                                         f"and no source release; this environment runs Python "
+                                         f"{sys.version.split()[0]}")
+        if not self.gpu:
+            self.device = chainer.get_device("@intel64" if mode == "ideep" else "@numpy")
+        self.net: Optional[_Net] = None
+
+    @classmethod
+    def probe(cls) -> dict:
+        devices = ["cpu"]
+        if intel64.is_ideep_available():
+            devices.append("cpu (iDeep)")
+        if cuda.available:
+            devices += [f"cuda:{i}" for i in range(cuda.cupy.cuda.runtime.getDeviceCount())]
+        return {"version": chainer.__version__, "devices": devices}
+
+    def version(self) -> str:
+        return chainer.__version__
+
+    def device_id(self) -> str:
+        return f"cuda:{self.device.device.id}" if self.gpu else "cpu"
+
+    def gpu_name(self) -> str:
+        if not self.gpu:
+            return ""
+        props = cuda.cupy.cuda.runtime.getDeviceProperties(self.device.device.id)
+        return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+    def details(self) -> dict[str, Any]:
+        return {"numpy": np.__version__, "ideep": "yes" if self.mode == "ideep" else "no"}
+
+    @contextlib.contextmanager
+    def _config(self, train: bool) -> Iterator[None]:
+        """Chainer's global config for a pass; static_graph's chatter goes to stderr.
+
+        ``static_graph`` prints "end of build_schedule()" to stdout each time it traces a
+        schedule. The worker's stdout is stderr already; this also covers in-process runs.
+        """
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(chainer.using_config("train", train))
+            stack.enter_context(chainer.using_config("enable_backprop", train))
+            if self.mode == "ideep":
+                stack.enter_context(chainer.using_config("use_ideep", "auto"))
+            if self.mode == "static-graph":
+                stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+            yield
+
+    # --- model ------------------------------------------------------------------------------
+    def build(self, weights: Sequence[np.ndarray]) -> int:
+        self.net = _Net(self.workload, static=self.mode == "static-graph")
+        self._load(weights)
+        self.net.to_device(self.device)
+        t = self.workload.training
+        # Keras' update rules: Chainer's Adam adds eps to sqrt(v) before folding the bias
+        # correction into the step (as Keras does), and RMSprop can put eps inside the sqrt.
+        if t.optimizer == "sgd":
+            opt = chainer.optimizers.MomentumSGD(t.lr, t.momentum) if t.momentum else chainer.optimizers.SGD(t.lr)
+        elif t.optimizer == "adam":
+            opt = chainer.optimizers.Adam(alpha=t.lr, beta1=0.9, beta2=0.999, eps=1e-7)
+        else:
+            opt = chainer.optimizers.RMSprop(lr=t.lr, alpha=0.9, eps=1e-7, eps_inside_sqrt=True)
+        opt.setup(self.net)
+        self.opt = opt
+        self.softmax_out = final_softmax(self.workload.model)
+        return sum(p.size for p in self.net.params())
+
+    def _flatten_rows(self) -> Optional[np.ndarray]:
+        shape = flatten_input_shape(self.workload)
+        return None if shape is None else nhwc_to_nchw_rows(*shape)
+
+    def _load(self, weights: Sequence[np.ndarray]) -> None:
+        assert self.net is not None
+        rows, first_dense = self._flatten_rows(), True
+        for link, (k, b) in zip(self.net.weighted, zip(weights[0::2], weights[1::2])):
+            if isinstance(link, L.Convolution2D):
+                w = np.transpose(k, (3, 2, 0, 1))  # HWIO -> OIHW
+            else:
+                # The kernel's rows follow NHWC flatten order; Linear flattens NCHW.
+                w = (k[rows] if first_dense and rows is not None else k).T
+                first_dense = False
+            link.W.array[...] = w
+            link.b.array[...] = b
+
+    def get_weights(self) -> list[np.ndarray]:
+        assert self.net is not None
+        rows, first_dense, out = self._flatten_rows(), True, []
+        for link in self.net.weighted:
+            w = cuda.to_cpu(link.W.array)
+            if isinstance(link, L.Convolution2D):
+                k = np.transpose(w, (2, 3, 1, 0))
+            else:
+                k = w.T
+                if first_dense and rows is not None:
+                    k = k[np.argsort(rows)]
+                first_dense = False
+            out += [np.ascontiguousarray(k), cuda.to_cpu(link.b.array).copy()]
+        return out
+
+    # --- data -------------------------------------------------------------------------------
+    def to_device(self, x: np.ndarray) -> Any:
+        nchw = np.ascontiguousarray(np.asarray(x, np.float32).transpose(0, 3, 1, 2))
+        return self.device.send(nchw)
+
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        self.x_train = self.to_device(x_train)
+        self.y_train = self.device.send(np.asarray(y_train, np.int32))
+
+    # --- run --------------------------------------------------------------------------------
+    def _masks(self, n: int, unit: bool) -> list[Any]:
+        """Static-graph dropout masks for a batch of ``n`` (all ones when ``unit``); none otherwise."""
+        assert self.net is not None
+        if not self.net.static and not unit:
+            return []
+        xp, out = self.xp, []
+        for rate, shape in self.net.dropouts:
+            if unit:
+                mask = xp.ones((n, *shape), np.float32)
+            else:
+                mask = (xp.random.rand(n, *shape) >= rate).astype(np.float32) * np.float32(1.0 / (1.0 - rate))
+            out.append(chainer.Variable(mask, requires_grad=False))
+        return out
+
+    def _step(self, x: Any, y: Any, unit_masks: bool = False) -> tuple[Any, Any]:
+        assert self.net is not None
+        # static_graph runs its schedule as one FunctionNode whose inputs are the chain's inputs:
+        # if none of them requires a gradient, its backward (the parameters' gradients) never runs.
+        # So the input is passed as an array there (wrapped as requiring a gradient), and as a
+        # constant in define-by-run, where nothing needs d(loss)/dx.
+        xv = x if self.net.static else chainer.Variable(x, requires_grad=False)
+        logits = self.net.forward(xv, *self._masks(len(x), unit_masks))
+        loss = F.softmax_cross_entropy(logits, y)
+        self.net.cleargrads()
+        loss.backward()
+        self.opt.update()
+        return loss.array, logits.array
+
+    def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
+        idx = self.device.send(np.asarray(order))
+        # One gather per epoch, then views: cheaper per step than indexing every batch.
+        x, y = self.x_train[idx], self.y_train[idx]
+        bs = self.workload.training.batch_size
+        losses, correct = [], []
+        with self._config(train=True):
+            for start in range(0, len(order), bs):
+                yb = y[start:start + bs]
+                loss, logits = self._step(x[start:start + bs], yb)
+                losses.append(loss * len(yb))
+                correct.append((logits.argmax(axis=1) == yb).sum())
+        xp, n = self.xp, max(len(order), 1)
+        return xp.stack(losses).sum() / n, xp.stack(correct).sum() / n
+
+    def scores(self, x: Any, batch_size: int) -> Any:
+        assert self.net is not None
+        outs = []
+        with self._config(train=False):
+            for start in range(0, len(x), batch_size):
+                logits = self.net.forward(chainer.Variable(x[start:start + batch_size], requires_grad=False))
+                outs.append((F.softmax(logits, axis=1) if self.softmax_out else logits).array)
+        if not outs:
+            return self.xp.zeros((0, self.workload.num_classes), np.float32)
+        return self.xp.concatenate(outs)
+
+    def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        # Dropout off, in training mode: unit masks keep static-graph on its training schedule.
+        losses = []
+        with self._config(train=True):
+            for xb, yb in batches:
+                loss, _ = self._step(self.to_device(xb), self.device.send(np.asarray(yb, np.int32)), unit_masks=True)
+                losses.append(float(loss))
+        return losses
+
+    def to_host(self, value: Any) -> Any:
+        host = cuda.to_cpu(value) if self.gpu else value
+        return host.item() if getattr(host, "ndim", None) == 0 else np.asarray(host)
+
+    def sync(self) -> None:
+        if self.gpu:
+            cuda.cupy.cuda.get_current_stream().synchronize()
