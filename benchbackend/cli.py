@@ -102,7 +102,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
                 raise WorkloadError(f"{w.name}: {exc}") from None
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
-        choices = planning.resolve(names, list(modes), list(precisions))
+        choices = planning.resolve(names, list(modes), list(precisions), device)
         runner.check_backends(names)
     except (WorkloadError, BackendUnavailable) as exc:
         raise UsageFailure(str(exc)) from None
@@ -121,19 +121,26 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         cells = r.run()
     except KeyboardInterrupt:
         _err(f"interrupted: {len(r.writer.rows)} rows written to {out}")
+        _summary(r.cells, out if r.writer.rows else None, plots)
         sys.exit(130)
     except DataError as exc:
         _err(f"Error: {exc}")
-        _err(f"{len(r.writer.rows)} rows written to {out}")
+        if r.writer.rows:
+            _err(f"{len(r.writer.rows)} rows written to {out}")
         sys.exit(2)
+    _summary(cells, out if r.writer.rows else None, plots)
+    sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
+
+
+def _summary(cells: list, out: Optional[Path], plots: bool) -> None:
+    """The per-cell summary, then compare's verdict and the plots for what was measured."""
     click.echo("\nsummary (steady epoch = median of epochs after the first; inference = median of passes after the first):")
     for cell in cells:
         click.echo("  " + cell.line())
-    if r.writer.rows:
+    if out is not None:
         _report(out, plots=plots, verdict=len({(c.backend, c.mode, c.precision) for c in cells
                                                if c.status != "unavailable"}) > 1)
-    click.echo(f"results: {out}")
-    sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
+        click.echo(f"results: {out}")
 
 
 def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
@@ -150,7 +157,7 @@ def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
 
             made = plotting.write_report(df, csv_path.with_name(csv_path.stem + "-plots"), summary_text=outcome.text)
             if made:
-                click.echo(f"plots: {made[-1].parent}")
+                click.echo(f"report: {made[-1]}")
     except Exception as exc:  # a convenience after the fact: never lose the run over it
         _err(f"warning: comparison/plots not written: {exc}")
 

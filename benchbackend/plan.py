@@ -60,7 +60,7 @@ def _split(item: str) -> tuple[Optional[str], str]:
     return (backend, rest) if sep and backend in backends.BACKENDS else (None, item)
 
 
-def resolve(names: list[str], modes: list[str], precisions: list[str]) -> list[Choice]:
+def resolve(names: list[str], modes: list[str], precisions: list[str], device: str = "cpu") -> list[Choice]:
     """Validate ``-b``/``--mode``/``--precision`` and return the (backend, mode, precision) choices.
 
     ``--mode`` takes ``backend:mode`` or a bare mode name that applies to every chosen backend that
@@ -94,12 +94,17 @@ def resolve(names: list[str], modes: list[str], precisions: list[str]) -> list[C
         for s in targets:
             if precision not in wanted_precisions[s.name]:
                 wanted_precisions[s.name].append(precision)
+    if not any(s.accepts(device) for s in specs):
+        forms = "; ".join(f"{s.name}: {', '.join(s.devices)}" for s in specs)
+        raise BackendUnavailable(f"--device {device!r} is not a device these backends accept ({forms})")
     out = []
     for s in specs:
         for mode in chosen[s.name] or [s.default_mode]:
             for precision in wanted_precisions[s.name]:
                 problem = "" if precision in s.precisions else (
                     f"{s.name} has no precision {precision}; it has {', '.join(s.precisions)}")
+                if not s.accepts(device):
+                    problem = f"{s.name} does not take --device {device}; it takes {', '.join(s.devices)}"
                 out.append(Choice(s.name, mode, precision, problem))
     return out
 

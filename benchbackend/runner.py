@@ -89,6 +89,14 @@ def worker_environ(spec: backends.BackendSpec, device: str = "cpu", threads: Opt
     return env
 
 
+def definition(w: Workload, source: str) -> str:
+    """What defines the measured work, readably (``workload_hash`` is its digest): compare labels
+    groups of one workload by the fields that differ."""
+    d, t = w.data, w.training
+    return (f"train={d.train} val={d.validation} test={d.test} epochs={t.epochs} batch={t.batch_size} "
+            f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}")
+
+
 class Runner:
     """Runs a :class:`RunPlan`; ``progress`` receives human-readable lines (the CLI prints them)."""
 
@@ -101,6 +109,7 @@ class Runner:
         self.writer = results.CsvWriter(plan.output)
         self.cells: list[CellResult] = []
         self.npz: dict[str, Path] = {}
+        self.data_source: dict[str, str] = {}
 
     # --- the matrix -------------------------------------------------------------------------
     def run(self) -> list[CellResult]:
@@ -134,7 +143,7 @@ class Runner:
         path = tmp / f"{w.name}-{w.hash()}.npz"
         np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val,
                  x_test=ds.x_test, y_test=ds.y_test, orders=orders)
-        self.data_source = ds.source
+        self.data_source[w.hash()] = ds.source
         self.progress(f"[{w.name}] {ds.source} data: {len(ds.y_train)} train, {len(ds.y_val)} validation, "
                       f"{len(ds.y_test)} test")
         return path
@@ -166,8 +175,9 @@ class Runner:
         base = {"run_id": self.run_id, "workload": w.name, "workload_hash": w.hash(), "backend": c.backend,
                 "mode": c.mode, "precision": c.precision, "device": self.plan.device, "repeat": repeat,
                 **self.env, "flops_per_sample": model.flops_per_sample(w), "params": model.param_count(w),
-                "requested_device": self.plan.device, "data_source": getattr(self, "data_source", ""),
-                "inference_only": self.plan.inference_only or not backends.get(c.backend).trains}
+                "requested_device": self.plan.device, "data_source": self.data_source.get(w.hash(), ""),
+                "inference_only": self.plan.inference_only or not backends.get(c.backend).trains,
+                "definition": definition(w, self.data_source.get(w.hash(), ""))}
         return CellState(group, cell, base, tag)
 
     def message(self, state: "CellState", msg: dict[str, Any]) -> None:

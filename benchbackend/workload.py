@@ -148,7 +148,8 @@ class ChecksSpec(_Strict):
 
 
 class Workload(_Strict):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=80, pattern=r"^[A-Za-z0-9._-]+$",
+                      description="letters, digits and ._- only; the file's stem")
     description: str = ""
     seed: int = 0
     data: DataSpec
@@ -277,6 +278,8 @@ def _explain(err: ValidationError, raw: Any) -> str:
         return f"`{path}` must be one of {expected.replace(' or ', ', ')}; got {e.get('input')!r}"
     if e["type"] == "missing":
         return f"`{path}` is required"
+    if e["type"] == "string_pattern_mismatch":
+        return f"`{path}` must be letters, digits and ._- only; got {e.get('input')!r}"
     msg = e["msg"].removeprefix("Value error, ")
     more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     if e["type"] == "value_error" and not loc:
@@ -307,4 +310,7 @@ def load(name_or_path: str) -> Workload:
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise WorkloadError(f"{path}:{where}: malformed YAML: {problem}") from None
-    return parse(raw, str(path))
+    w = parse(raw, str(path))
+    if w.name != path.stem:
+        raise WorkloadError(f"{path}: `name` must match the file name: expected {path.stem!r}; got {w.name!r}")
+    return w

@@ -19,11 +19,12 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from benchbackend import checks, data, envs, workload
+from benchbackend import backends, checks, data, envs, workload
 from benchbackend.errors import EnvError
 from benchbackend.workload import Workload
 
 pytestmark = pytest.mark.plaidml
+PROBE = envs.Probe("plaidml", backends.BACKENDS["plaidml"].target, backends.BACKENDS["plaidml"].env("cpu"))
 
 
 # --- the environment -------------------------------------------------------------------------
@@ -39,7 +40,7 @@ def envs_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def plaidml_env(envs_root: Path) -> envs.EnvStatus:
     with mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(envs_root)}):
         try:
-            st = envs.setup("plaidml")
+            st = envs.setup("plaidml", PROBE)
         except EnvError as exc:
             if str(exc).startswith(("pip install", "creating the")):  # no PyPI, no wheel, no venv here
                 pytest.skip(f"cannot build the PlaidML env here: {exc}")
@@ -57,7 +58,7 @@ def in_root(envs_root: Path) -> Iterator[Path]:
 def test_setup_reuses_a_healthy_env_quickly(plaidml_env: envs.EnvStatus, in_root: Path) -> None:
     logged: list[str] = []
     started = time.perf_counter()
-    st = envs.setup("plaidml", log=logged.append)
+    st = envs.setup("plaidml", PROBE, log=logged.append)
     assert time.perf_counter() - started < 30  # no reinstall: a device probe only
     assert st.ready and any("reusing" in line for line in logged)
     assert st.python == in_root / "plaidml" / "bin" / "python" == envs.python_for("plaidml")
@@ -70,16 +71,16 @@ def test_setup_reuses_a_healthy_env_quickly(plaidml_env: envs.EnvStatus, in_root
 
 
 def test_check_reports_without_changing_anything(plaidml_env: envs.EnvStatus, in_root: Path, tmp_path: Path) -> None:
-    st = envs.setup("plaidml", check=True)
+    st = envs.setup("plaidml", PROBE, check_only=True)
     assert st.ready and st.message.startswith("ready: plaidml 0.7.0")
     missing = tmp_path / "nowhere"
-    st = envs.setup("plaidml", path=missing, check=True)
+    st = envs.setup("plaidml", PROBE, path=missing, check_only=True)
     assert not st.ready and "benchbackend setup plaidml" in st.message
     assert not missing.exists() and envs.env_dir("plaidml") == in_root / "plaidml"
 
 
 def test_probe_lists_the_devices(plaidml_env: envs.EnvStatus, in_root: Path) -> None:
-    info = envs.probe("plaidml")
+    info = envs.probe("plaidml", PROBE)
     assert info["version"] == "0.7.0" and "llvm_cpu.0" in info["devices"]
 
 
@@ -88,7 +89,7 @@ def test_setup_repairs_an_env_whose_setup_did_not_finish(plaidml_env: envs.EnvSt
     marker.unlink()
     assert not envs.is_ready("plaidml")
     logged: list[str] = []
-    st = envs.setup("plaidml", log=logged.append)
+    st = envs.setup("plaidml", PROBE, log=logged.append)
     assert st.ready and marker.is_file() and any("repairing" in line for line in logged)
 
 
@@ -98,7 +99,7 @@ def test_marker_from_other_pins_is_not_ready(plaidml_env: envs.EnvStatus, in_roo
     try:
         marker.write_text(json.dumps({**json.loads(saved), "requirements": "0" * 16}))
         assert not envs.is_ready("plaidml")
-        assert "other pins" in envs.status("plaidml", verify=False).message
+        assert "other pins" in envs.status("plaidml", PROBE, verify=False).message
     finally:
         marker.write_text(saved)
     assert envs.is_ready("plaidml")
@@ -110,7 +111,7 @@ def test_setup_refuses_to_replace_a_folder_that_is_not_a_venv(tmp_path: Path) ->
     (target / "notes.txt").write_text("keep me")
     with mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(tmp_path / "root")}):
         with pytest.raises(EnvError, match="not a virtual environment"):
-            envs.setup("plaidml", path=target)
+            envs.setup("plaidml", PROBE, path=target)
     assert (target / "notes.txt").read_text() == "keep me"
 
 
@@ -121,17 +122,21 @@ def test_failed_install_is_one_line_naming_the_step_and_the_log(tmp_path: Path) 
         for var in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
             os.environ.pop(var, None)
         with pytest.raises(EnvError) as err:
-            envs.setup("plaidml")
+            envs.setup("plaidml", PROBE)
         assert not envs.is_ready("plaidml")
-        assert not envs.setup("plaidml", check=True).ready
+        assert not envs.setup("plaidml", PROBE, check_only=True).ready
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("pip install into the plaidml environment failed")
     assert "plaidml" in msg and str(tmp_path / "plaidml-setup.log") in msg
 
 
 def test_unknown_env_and_default_location(tmp_path: Path) -> None:
-    with pytest.raises(EnvError, match="unknown environment"):
-        envs.setup("theano")
+    from click.testing import CliRunner
+
+    from benchbackend.cli import main
+
+    unknown = CliRunner().invoke(main, ["setup", "theano"])
+    assert unknown.exit_code == 2 and "'theano' is not one of 'plaidml'" in unknown.output
     with mock.patch.dict(os.environ, {"XDG_DATA_HOME": str(tmp_path)}):
         os.environ.pop("BENCHBACKEND_ENVS", None)
         assert envs.env_dir("plaidml") == tmp_path / "benchbackend" / "envs" / "plaidml"
@@ -172,10 +177,12 @@ def run_cell(env: envs.EnvStatus, w: Workload, tmp: Path, device: str = "cpu", p
     npz = tmp / f"{w.name}-{w.hash()}.npz"
     np.savez(npz, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
              y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
-    job = {"workload": w.to_dict(), "backend": "plaidml", "device": device, "repeat": 0, "data": str(npz),
-           "parity_steps": parity_steps}
+    spec = backends.BACKENDS["plaidml"]
+    job = {"workload": w.to_dict(), "backend": "plaidml", "target": spec.target, "mode": "keras2", "device": device,
+           "repeat": 0, "data": str(npz), "parity_steps": parity_steps}
     proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=json.dumps(job), text=True,
-                          capture_output=True, timeout=900, env={**envs.worker_env(), **(extra_env or {})})
+                          capture_output=True, timeout=900,
+                          env={**envs.worker_env(), **spec.env(device), **(extra_env or {})})
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     errors = [m for m in msgs if m.get("type") == "error"]
     assert proc.returncode == 0 and not errors, (errors or proc.stderr[-3000:])
@@ -207,8 +214,8 @@ def test_forward_matches_the_numpy_reference(normal_run) -> None:
 
 @pytest.mark.slow
 def test_first_training_steps_follow_the_reference(normal_run) -> None:
-    _, msgs = normal_run
-    trajectory = next(r for r in rows(msgs, "parity") if r["epoch"] > 0)
+    w, msgs = normal_run
+    trajectory = checks.trajectory(next(r for r in rows(msgs, "parity") if r["epoch"] > 0), w)
     assert trajectory["steps"] == 3 and trajectory["parity_step"] is None, trajectory
 
 
@@ -260,7 +267,7 @@ def test_unknown_device_id_lists_the_real_ones(plaidml_env: envs.EnvStatus, tmp_
 
 
 # --- PlaidML's OpenCL path on PoCL (a CPU presented as a GPU) --------------------------------------
-SHIM = Path(__file__).resolve().parents[2] / "shared" / "tools" / "opencl-cpu-as-gpu" / "shim.c"
+SHIM = Path(__file__).resolve().parent / "support" / "opencl_cpu_as_gpu.c"
 POCL_ENTRY = {
     "description": "PoCL (tests only)",
     "sel": {"platform_regex": ".*Portable Computing Language.*"},
@@ -281,7 +288,7 @@ def pocl_env(env: envs.EnvStatus, tmp: Path) -> dict[str, str]:
     # Linking the real ICD loader lets every OpenCL call the shim does not wrap resolve through it;
     # PlaidML looks its symbols up in the unversioned libOpenCL.so, which is the shim.
     subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-o", str(lib / "libOpenCL.so"), str(SHIM), "-ldl",
-                    "-Wl,--no-as-needed", "-l:libOpenCL.so.1"], check=True, capture_output=True)
+                    "-Wl,--no-as-needed", "-l:libOpenCL.so.1"], check_only=True, capture_output=True)
     config = json.loads((env.path / "share" / "plaidml" / "experimental.json").read_text())
     config["platform"]["hardware_configs"].append(POCL_ENTRY)  # no built-in entry matches PoCL
     (tmp / "plaidml-pocl.json").write_text(json.dumps(config))

@@ -1,6 +1,7 @@
 """End-to-end runs through the real CLI and real worker processes (PyTorch and TensorFlow on CPU)."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -137,8 +138,9 @@ def test_ctrl_c_writes_what_was_measured_and_exits_130(tmp_path):
             break
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
+    assert "summary" in out and "interrupted" in out and str(out_csv) in out  # the summary still comes
     df = results.read(out_csv)
     assert (df.phase == "train_epoch").sum() >= 1
     assert "interrupted" in err and "Traceback" not in err
@@ -176,3 +178,75 @@ def test_an_interpreter_that_dies_at_once_is_a_crashed_row(tmp_path, monkeypatch
     cells = run_with_fake_interpreter(tmp_path, monkeypatch, script, repeats=1)
     assert [c.status for c in cells] == ["crashed"]
     assert "exited with code 3" in cells[0].message and "no such module" in cells[0].message
+
+
+@requires_tf
+def test_exploding_loss_is_diverged_not_chance(tmp_path):
+    out_csv = tmp_path / "div.csv"
+    # SGD at lr 1e6 on TensorFlow: the loss stays finite (~1e20) but explodes; it must not read as
+    # chance_accuracy (which the old checks said) nor as nan_loss.
+    out = cli("run", variant(tmp_path, "mnist_div", lr=1.0e6), "-b", "tensorflow", "--data", "synthetic",
+              "--limit", "512", "--epochs", "3", "--repeats", "1", "-o", str(out_csv), "--no-plots")
+    df = results.read(out_csv)
+    losses = df[df.phase == "train_epoch"]["loss"]
+    if not losses.map(lambda v: v == v and abs(v) != float("inf")).all():
+        pytest.skip(f"this TensorFlow build overflowed to NaN/inf instead ({list(losses)}): nan_loss covers it")
+    assert out.returncode == 1
+    assert set(df["status"]) == {"diverged"}, (list(losses), out.stderr[-1500:])
+    assert "exploded" in df["message"].iloc[0]
+
+
+@requires_tf
+def test_an_exported_keras_backend_cannot_pick_another_framework(tmp_path):
+    out_csv = tmp_path / "kb.csv"
+    out = cli("run", "mnist", "-b", "tensorflow", "--data", "synthetic", "--limit", "1024", "--epochs", "1",
+              "--repeats", "1", "-o", str(out_csv), "--no-plots", env={"KERAS_BACKEND": "jax"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert set(results.read(out_csv)["status"]) == {"ok"}
+
+
+def test_errors_before_measuring_leave_no_results_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nmodel: [\n")
+    for args in (["run", str(bad)], ["run", "nope"], ["run", "mnist", "-b", "numpy", "--data", "real",
+                                                      "--data-dir", str(tmp_path / "empty")]):
+        out = cli(*args, "-o", str(tmp_path / "r.csv"), "--no-plots")
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert not (tmp_path / "r.csv").exists()
+
+
+def test_a_failed_run_writes_an_ordinary_readable_csv(tmp_path):
+    out_csv = tmp_path / "chance.csv"
+    out = cli("run", variant(tmp_path, "mnist_still", lr=1.0e-12), "-b", "numpy", "--data", "synthetic",
+              "--limit", "256", "--epochs", "1", "--repeats", "1", "-o", str(out_csv), "--no-plots")
+    assert out.returncode == 1
+    ok_csv = tmp_path / "ok.csv"
+    cli("run", "mnist", "-b", "numpy", "--inference-only", "--data", "synthetic", "--limit", "256", "--repeats", "1",
+        "-o", str(ok_csv), "--no-plots")
+    assert (out_csv.stat().st_mode & 0o777) == (ok_csv.stat().st_mode & 0o777) != 0o600
+
+
+def test_a_parent_killed_outright_leaves_its_running_cell_pending_not_ok(tmp_path):
+    out_csv = tmp_path / "kill.csv"
+    proc = subprocess.Popen([sys.executable, "-m", "benchbackend", "run", "mnist", "-b", "numpy", "--data",
+                             "synthetic", "--limit", "1024", "--epochs", "30", "--repeats", "1", "-o", str(out_csv),
+                             "--no-plots"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (out_csv.exists() and "train_epoch" in out_csv.read_text()):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the parent and its worker, no chance to finalize anything
+    proc.communicate(timeout=60)
+    df = results.read(out_csv)
+    assert (df.phase == "train_epoch").sum() >= 1
+    assert set(df["status"]) == {"pending"}
+
+
+def test_workload_names_are_plain_and_match_their_file(tmp_path):
+    spec = yaml.safe_load((ROOT / "workloads" / "mnist.yaml").read_text())
+    for name, needle in (("../../x", "letters, digits and ._- only"), ("other", "must match the file name")):
+        spec["name"] = name
+        path = tmp_path / "evil.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        out = cli("run", str(path), "-b", "numpy", "--data", "synthetic")
+        assert out.returncode == 2 and needle in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

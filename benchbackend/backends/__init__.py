@@ -9,6 +9,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -65,6 +66,16 @@ class BackendSpec:
     python: Optional[str] = None
     devices: tuple[str, ...] = ("cpu", "gpu")
 
+    def accepts(self, device: str) -> bool:
+        """Whether ``--device`` has one of the forms in ``devices`` ("cuda:N": N digits; "<id>": any id)."""
+        for form in self.devices:
+            if form.startswith("<"):
+                return True
+            pattern = re.escape(form).replace("N", r"\d+")
+            if re.fullmatch(pattern, device):
+                return True
+        return False
+
     @property
     def mode_names(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.modes)
@@ -92,17 +103,17 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec("torch", _adapter("torch", "TorchBackend"), "torch", "torch",
                     "pip install 'benchbackend[torch]' torch==2.13.0", "PyTorch (CPU, CUDA)",
                     modes=(Mode("eager", "define-by-run nn.Module, one optimizer step per batch"),),
-                    env=_torch_env),
+                    env=_torch_env, devices=("cpu", "gpu", "cuda", "cuda:N")),
         BackendSpec("tensorflow", _adapter("tensorflow", "TensorFlowBackend"), "tensorflow", "tensorflow-cpu",
                     "pip install 'benchbackend[tensorflow]' (tensorflow on GPU machines)",
                     "TensorFlow 2 / Keras 3 (CPU, GPU)",
                     modes=(Mode("tf.function", "Keras 3 model, a traced tf.function train step per batch shape"),),
-                    env=_tf_env),
+                    env=_tf_env, devices=("cpu", "gpu", "cuda", "/GPU:N")),
         BackendSpec("onnxruntime", _adapter("onnxruntime", "OnnxRuntimeBackend"), "onnxruntime", "onnxruntime",
                     "pip install 'benchbackend[onnxruntime]' (onnxruntime-gpu on CUDA machines)",
                     "ONNX Runtime on the spec's ONNX graph (CPU, CUDA)",
                     modes=(Mode("default", "InferenceSession, all graph optimizations, CPU or CUDA execution provider"),),
-                    trains=False),
+                    trains=False, devices=("cpu", "gpu", "cuda")),
         BackendSpec("openvino", _adapter("openvino", "OpenVinoBackend"), "openvino", "openvino",
                     "pip install 'benchbackend[openvino]'",
                     "OpenVINO on the spec's ONNX graph (CPU, Intel GPU)",
@@ -112,7 +123,7 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec("plaidml", _adapter("plaidml", "PlaidMLBackend"), "plaidml", "plaidml",
                     "benchbackend setup plaidml", "PlaidML 0.7 + Keras 2.2.4 (OpenCL, LLVM CPU)",
                     modes=(Mode("keras2", "Keras 2.2.4 train_on_batch/predict, batches fed from host memory"),),
-                    env=_plaidml_env, isolated_env="plaidml", devices=("cpu", "gpu", "opencl")),
+                    env=_plaidml_env, isolated_env="plaidml", devices=("cpu", "gpu", "opencl", "<PlaidML device id>")),
     ]
 }
 
