@@ -143,6 +143,43 @@ def nhwc_to_nchw_rows(h: int, w: int, c: int) -> np.ndarray:
     return ((hh * w + ww) * c + cc).reshape(-1)
 
 
+def to_nchw_weights(workload: Workload, weights: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The canonical weights for an NCHW framework (torch, Chainer): conv kernels OIHW, dense
+    kernels (out, in), the first dense kernel after a flatten with its rows in NCHW flatten order;
+    biases unchanged. Inverse: :func:`from_nchw_weights`."""
+    shape = flatten_input_shape(workload)
+    rows = None if shape is None else nhwc_to_nchw_rows(*shape)
+    out: list[np.ndarray] = []
+    first_dense = True
+    for k, b in zip(weights[0::2], weights[1::2]):
+        if k.ndim == 4:
+            out.append(np.ascontiguousarray(np.transpose(k, (3, 2, 0, 1))))  # HWIO -> OIHW
+        else:
+            out.append(np.ascontiguousarray((k[rows] if first_dense and rows is not None else k).T))
+            first_dense = False
+        out.append(np.array(b))
+    return out
+
+
+def from_nchw_weights(workload: Workload, weights: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The canonical layout back from :func:`to_nchw_weights`' layout."""
+    shape = flatten_input_shape(workload)
+    rows = None if shape is None else nhwc_to_nchw_rows(*shape)
+    out: list[np.ndarray] = []
+    first_dense = True
+    for w, b in zip(weights[0::2], weights[1::2]):
+        if w.ndim == 4:
+            out.append(np.ascontiguousarray(np.transpose(w, (2, 3, 1, 0))))  # OIHW -> HWIO
+        else:
+            k = w.T
+            if first_dense and rows is not None:
+                k = k[np.argsort(rows)]
+            first_dense = False
+            out.append(np.ascontiguousarray(k))
+        out.append(np.array(b))
+    return out
+
+
 def final_softmax(layers: Sequence[Any]) -> bool:
     """True when the network ends in a softmax (so it outputs probabilities, not logits)."""
     last = layers[-1]

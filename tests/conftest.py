@@ -27,3 +27,13 @@ def cli(*args: str, cwd: Path | None = None, timeout: float = 900, env: dict | N
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "benchbackend", *args], capture_output=True, text=True,
                           cwd=cwd or ROOT, timeout=timeout, env=full_env)
+
+
+@pytest.fixture(scope="session")
+def envs_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the isolated environments (PlaidML, Chainer) are built once and reused across runs:
+    $BENCHBACKEND_ENVS if set, else pytest's cache folder (.pytest_cache/d/benchbackend-envs)."""
+    if os.environ.get("BENCHBACKEND_ENVS"):
+        return Path(os.environ["BENCHBACKEND_ENVS"])
+    cache = getattr(request.config, "cache", None)
+    return cache.mkdir("benchbackend-envs") if cache else tmp_path_factory.mktemp("envs")

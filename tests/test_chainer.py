@@ -29,14 +29,6 @@ PROBE = envs.Probe("chainer", TARGET, {})
 
 # --- the environment -------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def envs_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if os.environ.get("BENCHBACKEND_ENVS"):
-        return Path(os.environ["BENCHBACKEND_ENVS"])
-    cache = getattr(request.config, "cache", None)
-    return cache.mkdir("benchbackend-envs") if cache else tmp_path_factory.mktemp("envs")
-
-
-@pytest.fixture(scope="session")
 def chainer_env(envs_root: Path) -> envs.EnvStatus:
     with mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(envs_root)}):
         try:

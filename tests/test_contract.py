@@ -105,3 +105,16 @@ def test_list_shows_modes_and_precisions_of_every_registered_backend():
 def test_readme_backend_table_is_the_registry():
     table = CliRunner().invoke(main, ["list", "--markdown"]).output.strip()
     assert table in (ROOT / "README.md").read_text(), "paste `benchbackend list --markdown` into README.md"
+
+
+@pytest.mark.parametrize("name", ["mnist", "cifar10"])
+def test_nchw_weight_conversion_round_trips(name):
+    from benchbackend import model
+
+    w = workload.load(name)
+    weights = model.initial_weights(w)
+    nchw = model.to_nchw_weights(w, weights)
+    assert nchw[0].shape == tuple(np.transpose(weights[0], (3, 2, 0, 1)).shape)
+    assert any(not np.array_equal(a, b.T) for a, b in zip(nchw, weights) if a.ndim == 2)  # rows were permuted
+    for a, b in zip(model.from_nchw_weights(w, nchw), weights):
+        np.testing.assert_array_equal(a, b)

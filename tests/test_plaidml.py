@@ -29,14 +29,6 @@ PROBE = envs.Probe("plaidml", backends.BACKENDS["plaidml"].target, backends.BACK
 
 # --- the environment -------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def envs_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if os.environ.get("BENCHBACKEND_ENVS"):
-        return Path(os.environ["BENCHBACKEND_ENVS"])
-    cache = getattr(request.config, "cache", None)
-    return cache.mkdir("benchbackend-envs") if cache else tmp_path_factory.mktemp("envs")
-
-
-@pytest.fixture(scope="session")
 def plaidml_env(envs_root: Path) -> envs.EnvStatus:
     with mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(envs_root)}):
         try:
@@ -86,7 +78,7 @@ def test_probe_lists_the_devices(plaidml_env: envs.EnvStatus, in_root: Path) -> 
 
 def test_setup_repairs_an_env_whose_setup_did_not_finish(plaidml_env: envs.EnvStatus, in_root: Path) -> None:
     marker = in_root / "plaidml" / envs.MARKER
-    marker.unlink()
+    marker.write_text(json.dumps({"created_by": "benchbackend", "name": "plaidml"}))  # setup never finished
     assert not envs.is_ready("plaidml")
     logged: list[str] = []
     st = envs.setup("plaidml", PROBE, log=logged.append)
@@ -110,7 +102,7 @@ def test_setup_refuses_to_replace_a_folder_that_is_not_a_venv(tmp_path: Path) ->
     target.mkdir()
     (target / "notes.txt").write_text("keep me")
     with mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(tmp_path / "root")}):
-        with pytest.raises(EnvError, match="not a virtual environment"):
+        with pytest.raises(EnvError, match="not created by benchbackend"):
             envs.setup("plaidml", PROBE, path=target)
     assert (target / "notes.txt").read_text() == "keep me"
 

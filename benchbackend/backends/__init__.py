@@ -120,6 +120,14 @@ BACKENDS: dict[str, BackendSpec] = {
                     modes=(Mode("latency", "PERFORMANCE_HINT=LATENCY: one stream, one batch at a time"),
                            Mode("throughput", "PERFORMANCE_HINT=THROUGHPUT: batches in flight on parallel streams")),
                     precisions=("fp32", "bf16"), trains=False),
+        BackendSpec("chainer", _adapter("chainer", "ChainerBackend"), "chainer", "chainer",
+                    "benchbackend setup chainer", "Chainer 7.8.1 in its own env (NumPy on CPU; CuPy GPU if present)",
+                    modes=(Mode("define-by-run", "a Chain whose forward pass builds the graph on every call"),
+                           Mode("static-graph", "the Chain's forward method under chainer.static_graph: traced once "
+                                                "per input shape, then replayed"),
+                           Mode("ideep", "define-by-run on Intel iDeep (MKL-DNN) kernels; needs ideep4py "
+                                         "(no wheels for Python >= 3.8)")),
+                    isolated_env="chainer", devices=("cpu", "gpu")),
         BackendSpec("plaidml", _adapter("plaidml", "PlaidMLBackend"), "plaidml", "plaidml",
                     "benchbackend setup plaidml", "PlaidML 0.7 + Keras 2.2.4 (OpenCL, LLVM CPU)",
                     modes=(Mode("keras2", "Keras 2.2.4 train_on_batch/predict, batches fed from host memory"),),

@@ -23,7 +23,7 @@ import numpy as np
 from chainer.backends import cuda, intel64
 
 from ..errors import BackendUnavailable
-from ..model import describe, final_softmax, flatten_input_shape, nhwc_to_nchw_rows, same_pads
+from ..model import describe, final_softmax, from_nchw_weights, same_pads, to_nchw_weights
 from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
 from .base import Backend
 
@@ -208,37 +208,17 @@ class ChainerBackend(Backend):
         self.softmax_out = final_softmax(self.workload.model)
         return sum(p.size for p in self.net.params())
 
-    def _flatten_rows(self) -> Optional[np.ndarray]:
-        shape = flatten_input_shape(self.workload)
-        return None if shape is None else nhwc_to_nchw_rows(*shape)
-
     def _load(self, weights: Sequence[np.ndarray]) -> None:
         assert self.net is not None
-        rows, first_dense = self._flatten_rows(), True
-        for link, (k, b) in zip(self.net.weighted, zip(weights[0::2], weights[1::2])):
-            if isinstance(link, L.Convolution2D):
-                w = np.transpose(k, (3, 2, 0, 1))  # HWIO -> OIHW
-            else:
-                # The kernel's rows follow NHWC flatten order; Linear flattens NCHW.
-                w = (k[rows] if first_dense and rows is not None else k).T
-                first_dense = False
+        converted = to_nchw_weights(self.workload, weights)
+        for link, w, b in zip(self.net.weighted, converted[0::2], converted[1::2]):
             link.W.array[...] = w
             link.b.array[...] = b
 
     def get_weights(self) -> list[np.ndarray]:
         assert self.net is not None
-        rows, first_dense, out = self._flatten_rows(), True, []
-        for link in self.net.weighted:
-            w = cuda.to_cpu(link.W.array)
-            if isinstance(link, L.Convolution2D):
-                k = np.transpose(w, (2, 3, 1, 0))
-            else:
-                k = w.T
-                if first_dense and rows is not None:
-                    k = k[np.argsort(rows)]
-                first_dense = False
-            out += [np.ascontiguousarray(k), cuda.to_cpu(link.b.array).copy()]
-        return out
+        raw = [cuda.to_cpu(a) for link in self.net.weighted for a in (link.W.array, link.b.array)]
+        return from_nchw_weights(self.workload, raw)
 
     # --- data -------------------------------------------------------------------------------
     def to_device(self, x: np.ndarray) -> Any:
