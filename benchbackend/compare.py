@@ -1,10 +1,16 @@
 """``benchbackend compare``: read results CSVs, rank backends against a baseline, say how sure we are.
 
-For each workload and device, every backend (and mode) is compared with the baseline backend on its
-per-repeat steady epoch time and per-repeat median inference time: the ratio of medians with a
-bootstrap 95% interval, and a Mann-Whitney U test for the verdict ("1.85x faster", "1.20x slower",
-"not significant"). Only backends whose status is ``ok`` can be the fastest. The numbers come from
-:mod:`benchbackend.stats`; the text from :mod:`benchbackend.tables`.
+Rows are pooled and compared only within one *experiment*: one definition of a workload (its
+hash: model, training settings, sizes after ``--limit``, epochs, batch size, seed; and its data
+source) on one device. Several definitions of one workload name are separate sections, labelled
+by what differs (``mnist (limit 1024)``), with no ratio between them.
+
+Within an experiment every backend (and mode, and precision) is compared with the baseline on its
+per-repeat steady epoch time and per-repeat steady inference time, with one decision rule
+(:mod:`benchbackend.stats`): the speed-up baseline/candidate as a ratio of geometric means, its
+95% interval from Welch's t on log times, and "faster"/"slower" iff that interval leaves 1 out.
+Only groups whose every repeat is ``ok`` get a verdict or can be the fastest; only ``ok`` repeats
+feed the timings. The text comes from :mod:`benchbackend.tables`.
 """
 from __future__ import annotations
 
@@ -24,8 +30,13 @@ from .stats import CONTEXT_KEYS, GROUP_KEYS, label
 FORMATS = ("table", "markdown", "csv", "json")
 MIN_REPEATS = 3
 SPREAD_LIMIT = 0.10
-#: Compared across every row of one workload and device.
-CONTEXT_ENV = ("host", "os", "cpu", "gpu")
+#: Exit codes of ``compare --fail-on-regression`` (``cli.py`` maps them; 0 otherwise).
+EXIT_REGRESSION = 3
+EXIT_CANDIDATE_FAILED = 4
+#: The correctness oracle: the default baseline only when nothing else passed its checks.
+REFERENCE_BACKEND = "numpy"
+#: Compared across every row of one experiment and device.
+CONTEXT_ENV = ("host", "os", "cpu", "gpu", "threads")
 #: Compared only within one backend: isolated backend environments legitimately differ in these.
 BACKEND_ENV = ("backend_version", "python")
 _METRICS = (("train", "steady_s"), ("infer", "infer_s"))
@@ -59,9 +70,9 @@ def _expand(paths: list[str]) -> list[str]:
 
 
 def group_name(key: tuple) -> str:
-    """``mnist/cpu/torch`` for warnings."""
-    workload, device, backend, mode = key
-    return f"{workload}/{device}/{label(backend, mode)}"
+    """``mnist/cpu/torch`` (``mnist (limit 1024)/cpu/torch``) for warnings."""
+    experiment, device, backend, mode = key
+    return f"{experiment}/{device}/{label(backend, mode)}"
 
 
 def _matches(key: tuple, name: str) -> bool:
@@ -69,27 +80,56 @@ def _matches(key: tuple, name: str) -> bool:
     return key[2] == backend and (not sep or key[3] == mode)
 
 
+def _preference(key: tuple) -> tuple:
+    """Sort key of default baselines: registry order (the reference oracle last), fp32 before
+    other precisions, a backend's default mode first."""
+    from . import backends as registry
+
+    names = list(registry.BACKENDS)
+    backend, mode = key[2], key[3]
+    order = names.index(backend) if backend in names else len(names)
+    base_mode, _, precision = mode.partition("@")
+    spec = registry.BACKENDS.get(backend)
+    modes = [m.name for m in spec.modes] if spec is not None else []
+    mode_rank = modes.index(base_mode) if base_mode in modes else (0 if not base_mode else len(modes))
+    return (backend == REFERENCE_BACKEND, order, backend, bool(precision), mode_rank, mode)
+
+
 def _pick_baseline(frame: pd.DataFrame, baseline: Optional[str], where: str,
                    warnings: list[str]) -> Optional[tuple]:
-    keys = sorted(frame.index)
+    keys = list(frame.index)
     if baseline is None:
-        ok = sorted(frame.index[frame["status"] == "ok"])
-        return (ok or keys)[0]
-    found = [k for k in keys if _matches(k, baseline)]
+        ok = [k for k in keys if stats.is_ok(frame.loc[k, "status"]) and frame.loc[k, "ok_repeats"] > 0]
+        return min(ok, key=_preference) if ok else None
+    found = sorted((k for k in keys if _matches(k, baseline)), key=_preference)
     if not found:
         warnings.append(f"{where}: no {baseline} results, so no ratios there")
         return None
+    base = found[0]
     if len(found) > 1:
-        warnings.append(f"{where}: {baseline} ran in several modes; the baseline is {label(*found[0][2:])}")
-    return found[0]
+        warnings.append(f"{where}: {baseline} ran in several modes; the baseline is {label(*base[2:])}")
+    row = frame.loc[base]
+    if row["ok_repeats"] == 0:
+        warnings.append(f"{where}: the baseline {label(*base[2:])} has no ok repeat ({row['status']}), "
+                        "so no ratios there")
+        return None
+    if not stats.is_ok(row["status"]):
+        warnings.append(f"{where}: the baseline {label(*base[2:])} is {row['status']} ({row['failed']}); "
+                        f"ratios use its {row['ok_repeats']} ok repeat(s)")
+    return base
+
+
+def _context_name(ctx: tuple) -> str:
+    return f"{ctx[0]} on {ctx[1]}"
 
 
 def rank(summary: stats.Summary, baseline: Optional[str] = None) -> tuple[pd.DataFrame, list[str]]:
-    """Add ratios to the baseline, verdicts and the fastest correct group per workload and device.
+    """Add ratios to the baseline, verdicts and the fastest correct group per experiment and device.
 
-    ``baseline`` is a backend name (``BACKEND`` or ``BACKEND:MODE``); by default the first backend
-    alphabetically in each workload and device among those whose status is ok (among all when none
-    is). Raises ResultsError when the named baseline ran nowhere.
+    ``baseline`` is a backend name (``BACKEND`` or ``BACKEND:MODE``); by default, per experiment,
+    the first backend in registry order whose every repeat is ok, the NumPy reference last (it is
+    the correctness oracle, not a backend one would pick). Only ok groups get a verdict; the others
+    get ``not ranked (STATUS)``. Raises ResultsError when the named baseline ran nowhere.
     """
     groups = summary.groups.copy()
     keys = list(groups.index)
@@ -99,26 +139,36 @@ def rank(summary: stats.Summary, baseline: Optional[str] = None) -> tuple[pd.Dat
     warnings: list[str] = []
     new: dict[str, list] = {c: [] for c in ["baseline", "fastest_train", "fastest_infer"]}
     for prefix, _ in _METRICS:
-        for c in ("ratio", "ratio_low", "ratio_high", "p", "verdict"):
+        for c in ("ratio", "ratio_low", "ratio_high", "p", "verdict", "text"):
             new[f"{prefix}_{c}"] = []
-    for ctx, frame in groups.groupby(CONTEXT_KEYS, sort=False):
-        ctx_keys = list(frame.index)
-        base = _pick_baseline(frame, baseline, "/".join(ctx), warnings)
+    order = []
+    contexts = sorted(groups.groupby(CONTEXT_KEYS, sort=False),
+                      key=lambda item: tuple(stats.natural_key(part) for part in item[0]))
+    for ctx, frame in contexts:
+        base = _pick_baseline(frame, baseline, _context_name(ctx), warnings)
         fastest = {p: _fastest(frame, col) for p, col in _METRICS}
-        for key in ctx_keys:
+        for key in frame.index:
+            order.append(key)
+            ok = stats.is_ok(groups.loc[key, "status"])
             new["baseline"].append(label(*base[2:]) if base else "")
             for prefix, col in _METRICS:
                 new[f"fastest_{prefix}"].append(key == fastest[prefix])
-                r = (stats.compare_times(summary.samples(base, col), summary.samples(key, col),
-                                         summary.bootstrap(base, col), summary.bootstrap(key, col))
-                     if base is not None and key != base else None)
+                r = (stats.compare_times(summary.samples(base, col), summary.samples(key, col))
+                     if base is not None and key != base and ok else None)
+                if key == base:
+                    verdict = text = "baseline"
+                elif not ok:
+                    verdict = text = f"not ranked ({groups.loc[key, 'status']})"
+                elif r is None:
+                    verdict = text = "n/a"
+                else:
+                    verdict, text = r.verdict, r.text
                 new[f"{prefix}_ratio"].append(r.ratio if r else math.nan)
                 new[f"{prefix}_ratio_low"].append(r.low if r else math.nan)
                 new[f"{prefix}_ratio_high"].append(r.high if r else math.nan)
                 new[f"{prefix}_p"].append(r.pvalue if r else math.nan)
-                verdict = "baseline" if key == base else (r.verdict if r else "n/a")
                 new[f"{prefix}_verdict"].append(verdict)
-    order = [k for _, f in groups.groupby(CONTEXT_KEYS, sort=False) for k in f.index]
+                new[f"{prefix}_text"].append(text)
     groups = groups.loc[order]
     for col, values in new.items():
         groups[col] = values
@@ -126,7 +176,7 @@ def rank(summary: stats.Summary, baseline: Optional[str] = None) -> tuple[pd.Dat
 
 
 def _fastest(frame: pd.DataFrame, col: str) -> Optional[tuple]:
-    """The fastest group among the correct ones (status ``ok``), or None."""
+    """The fastest group among the correct ones (every repeat ``ok``), or None."""
     ok = frame[(frame["status"] == "ok") & frame[col].notna()]
     return ok[col].idxmin() if len(ok) else None
 
@@ -144,7 +194,7 @@ def stability_warnings(groups: pd.DataFrame) -> list[str]:
     n = groups[["steady_n", "infer_n"]].replace(0, np.nan).min(axis=1)
     few = n.notna() & (n < MIN_REPEATS)
     if few.any():
-        out.append(f"fewer than {MIN_REPEATS} repeats, so intervals and verdicts are weak: "
+        out.append(f"fewer than {MIN_REPEATS} timed repeats, so intervals and verdicts are weak: "
                    + _names(groups, few, n.astype("Int64").astype(str)))
     for col, what in (("steady_spread", "steady epoch time"), ("infer_spread", "inference time")):
         wide = groups[col] > SPREAD_LIMIT
@@ -166,10 +216,22 @@ def _values_by_source(frame: pd.DataFrame, col: str) -> str:
     return "; ".join(parts)
 
 
+def _env_frame(df: pd.DataFrame) -> pd.DataFrame:
+    cols = list(dict.fromkeys(GROUP_KEYS + ["workload", "workload_hash", "data_source", *CONTEXT_ENV,
+                                            *BACKEND_ENV, "source"]))
+    env = df[[c for c in cols if c in df.columns]].drop_duplicates()
+    for c in cols:
+        if c not in env.columns:
+            env[c] = ""
+    threads = pd.to_numeric(env["threads"], errors="coerce")
+    env["threads"] = threads.map(lambda v: "" if pd.isna(v) else f"{v:g}")
+    return env.astype(str).drop_duplicates()
+
+
 def environment_warnings(df: pd.DataFrame) -> list[str]:
-    """Rows from different environments compared with each other; one workload name, several hashes."""
-    cols = list(dict.fromkeys(GROUP_KEYS + ["workload_hash", *CONTEXT_ENV, *BACKEND_ENV, "source"]))
-    env = df[cols].drop_duplicates()
+    """Rows from different environments compared with each other (host, CPU, threads, versions);
+    one group's repeats from different hosts; one workload name with several definitions."""
+    env = _env_frame(df)
     out = []
     checks = [(c, CONTEXT_KEYS) for c in CONTEXT_ENV] + [(c, CONTEXT_KEYS + ["backend"]) for c in BACKEND_ENV]
     for col, keys in checks:
@@ -178,13 +240,21 @@ def environment_warnings(df: pd.DataFrame) -> list[str]:
         for key in counts.index[counts > 1]:
             key = key if isinstance(key, tuple) else (key,)
             sub = known[(known[keys] == pd.Series(key, index=keys)).all(axis=1)]
-            out.append(f"{'/'.join(key)}: rows from different environments are compared "
+            what = "thread counts" if col == "threads" else "environments"
+            out.append(f"{'/'.join(key)}: rows from different {what} are compared "
                        f"({col} differs): {_values_by_source(sub, col)}")
-    hashes = env[env["workload_hash"] != ""].groupby("workload", sort=True)["workload_hash"].nunique()
-    for workload in hashes.index[hashes > 1]:
-        sub = env[(env["workload"] == workload) & (env["workload_hash"] != "")]
-        out.append(f"workload {workload!r} has {hashes[workload]} different definitions (workload_hash): "
-                   + _values_by_source(sub, "workload_hash"))
+    known = env[env["host"] != ""]
+    hosts = known.groupby(GROUP_KEYS, sort=True)["host"].nunique()
+    for key in hosts.index[hosts > 1]:
+        sub = known[(known[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
+        out.append(f"{group_name(key)}: its repeats ran on different hosts, so its timings mix machines: "
+                   + _values_by_source(sub, "host"))
+    defs = env[["workload", "experiment", "source"]].drop_duplicates()
+    for workload, sub in defs.groupby("workload", sort=True):
+        if sub["experiment"].nunique() > 1:
+            out.append(f"workload {workload!r} has {sub['experiment'].nunique()} different definitions in these "
+                       "files; each is compared on its own, with no ratio between them: "
+                       + _values_by_source(sub, "experiment"))
     return out
 
 
@@ -193,29 +263,61 @@ def _status_warnings(groups: pd.DataFrame) -> list[str]:
     return [f"{group_name(k)}: {row.status}: {tables.short_message(row.message)}" for k, row in bad.iterrows()]
 
 
-def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float) -> list[str]:
-    """Messages for each candidate slower than the baseline by more than ``factor`` (median ratio).
+def _is_candidate(key: tuple, row: pd.Series, candidate: tuple[str, ...]) -> bool:
+    if candidate:
+        return any(_matches(key, c) for c in candidate)
+    return row["baseline"] != "" and row["train_verdict"] != "baseline"
 
-    With no candidate named, every non-baseline group is a candidate.
+
+def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float) -> tuple[list[str], int]:
+    """Messages and exit code for ``--fail-on-regression``.
+
+    Exit ``EXIT_CANDIDATE_FAILED`` when a candidate is not ok (crashed, NaN loss, ...): its
+    timings cannot speak for it. Else ``EXIT_REGRESSION`` when a candidate is slower than the
+    baseline by more than ``factor`` (point estimate) *and* significantly so (the 95% interval
+    of the speed-up lies below 1). With no candidate named, every non-baseline group is one.
     """
-    out = []
+    out, code = [], 0
     for key, row in groups.iterrows():
-        if row["baseline"] == "" or row["train_verdict"] == "baseline":
+        if not _is_candidate(key, row, candidate) or row["train_verdict"] == "baseline":
             continue
-        if candidate and not any(_matches(key, c) for c in candidate):
+        if not stats.is_ok(row["status"]):
+            detail = row["failed"] or row["status"]
+            out.append(f"candidate failed: {group_name(key)} is {row['status']} ({detail}), so it cannot pass "
+                       "--fail-on-regression")
+            code = EXIT_CANDIDATE_FAILED
             continue
         for prefix, what in (("train", "steady epoch"), ("infer", "inference")):
             ratio = row[f"{prefix}_ratio"]
-            if ratio > 0 and 1 / ratio > factor:
+            if not ratio > 0 or 1 / ratio <= factor:
+                continue
+            if row[f"{prefix}_verdict"] == "slower":
                 out.append(f"regression: {group_name(key)} {what} is {1 / ratio:.2f}x slower than "
-                           f"{row['baseline']} (limit {factor:g}x)")
-    return out
+                           f"{row['baseline']} (limit {factor:g}x; {row[f'{prefix}_text']})")
+                code = code or EXIT_REGRESSION
+            else:
+                out.append(f"possible regression, not significant: {group_name(key)} {what} is "
+                           f"{1 / ratio:.2f}x slower than {row['baseline']} (limit {factor:g}x; "
+                           f"{row[f'{prefix}_text']})")
+    return out, code
+
+
+def _check_measured(df: pd.DataFrame) -> None:
+    """Files with no training or inference row (header only, or only status rows) are an error."""
+    if len(df) and df["phase"].isin(["train_epoch", "inference"]).any():
+        return
+    files = df.attrs.get("files") or (sorted(set(df["source"])) if "source" in df else [])
+    names = ", ".join(Path(f).name for f in files) or "the results given"
+    what = "no rows at all" if not len(df) else "only build, parity or status rows"
+    raise ResultsError(f"{names}: no measurements to compare ({what})")
 
 
 def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ...],
              fail_on_regression: Optional[float], notes: list[str]) -> tuple[pd.DataFrame, list[str], int]:
     if fail_on_regression is not None and not fail_on_regression >= 1:
         raise ResultsError(f"the regression factor must be at least 1; got {fail_on_regression!r}")
+    _check_measured(df)
+    df = stats.with_experiment(df)
     summary = stats.summarize(df)
     keys = list(summary.groups.index)
     for name in candidate:
@@ -224,8 +326,8 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
                                + ", ".join(sorted({label(k[2], k[3]) for k in keys})))
     groups, warnings = rank(summary, baseline)
     warnings = notes + warnings + stability_warnings(groups) + environment_warnings(df) + _status_warnings(groups)
-    found = regressions(groups, candidate, fail_on_regression) if fail_on_regression is not None else []
-    return groups, warnings + found, 3 if found else 0
+    found, code = regressions(groups, candidate, fail_on_regression) if fail_on_regression is not None else ([], 0)
+    return groups, warnings + found, code
 
 
 def _check_format(fmt: str) -> None:
@@ -234,11 +336,12 @@ def _check_format(fmt: str) -> None:
 
 
 def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate: tuple[str, ...] = (),
-                  fmt: str = "table", fail_on_regression: Optional[float] = None) -> CompareOutcome:
-    """Compare results already read (``results.read_many``), e.g. right after a run; see
-    :func:`run_compare` for the arguments."""
+                  fmt: str = "table", fail_on_regression: Optional[float] = None,
+                  notes: Optional[list[str]] = None) -> CompareOutcome:
+    """Compare results already read (``results.read_many``, best through ``results.for_comparison``),
+    e.g. right after a run; see :func:`run_compare` for the arguments."""
     _check_format(fmt)
-    groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, [])
+    groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []))
     text = tables.render(groups, fmt, warnings)
     return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df,
                           table_text=text if fmt == "table" else tables.render(groups, "table", warnings))
@@ -250,17 +353,16 @@ def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tup
     """Read results CSVs (files, directories, globs) and compare backends.
 
     ``fmt`` is table, markdown, csv or json. The outcome carries the rows and the terminal table,
-    which ``plots.write_report`` draws.
-    ``skip_bad`` goes on without unreadable files (each becomes a warning). ``fail_on_regression``
-    sets exit_code 3 when a ``candidate`` backend (every non-baseline one when none is named) takes
-    more than that factor times the baseline's median time, in training or inference.
-    Raises ResultsError for bad input (a bad file, an unknown baseline or candidate, a bad format).
+    which ``plots.write_report`` draws. ``skip_bad`` goes on without unreadable files (each becomes
+    a warning). ``fail_on_regression`` (a factor >= 1) sets exit_code 4 when a ``candidate``
+    (every non-baseline group when none is named) is not ok, else 3 when one is slower than the
+    baseline by more than that factor and significantly so, in training or inference.
+    Raises ResultsError for bad input: a bad file, files with no measurements, an unknown
+    baseline or candidate, a bad format.
     """
     _check_format(fmt)
     df, skipped = results.read_many(_expand(list(paths)), skip_bad=skip_bad)
     df = results.for_comparison(df)
     notes = [f"skipped {msg}" for msg in skipped]
-    groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, notes)
-    text = tables.render(groups, fmt, warnings)
-    return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df,
-                          table_text=text if fmt == "table" else tables.render(groups, "table", warnings))
+    return compare_frame(df, baseline=baseline, candidate=candidate, fmt=fmt,
+                         fail_on_regression=fail_on_regression, notes=notes)

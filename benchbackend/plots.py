@@ -1,22 +1,25 @@
-"""Figures of a results frame: one set per workload and device, written as PNGs with an index.html.
+"""Figures of a results frame: one set per experiment and device, written as PNGs with an index.html.
 
 matplotlib is imported inside the functions, and only its Agg canvas is used (no pyplot, no GUI),
 so importing this module costs nothing and plotting works on machines without a display.
+The figures use the numbers ``compare`` uses (:mod:`benchbackend.stats`): only ok repeats feed a
+timing, the first epoch and the first inference pass are apart, one interval rule.
 """
 from __future__ import annotations
 
 import html
 import math
 import re
+import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 import pandas as pd
 
 from . import stats
 from .errors import ResultsError
-from .stats import CONTEXT_KEYS, GROUP_KEYS, label
+from .stats import CI_LABEL, CONTEXT_KEYS, GROUP_KEYS, REPEAT_KEYS, label
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -25,7 +28,14 @@ if TYPE_CHECKING:
 FAILED_COLOR = "#c62828"
 #: tab10 without its red and grey.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf"]
+#: Markers and line styles per backend, so that identical curves (same weights, same data) stay
+#: visible on top of each other: each marker is drawn hollow and smaller than the one before.
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+LINESTYLES = ["-", "--", "-."]
+FAILED_LINESTYLE = ":"
 DPI = 120
+#: Characters per line of a title, per inch of figure width.
+_TITLE_CHARS_PER_INCH = 11
 
 
 def _label(key: tuple) -> str:
@@ -35,6 +45,15 @@ def _label(key: tuple) -> str:
 def _colors(labels: list[str]) -> dict[str, Any]:
     """One colour per backend label, the same in every figure (no red or grey: they mean failed)."""
     return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(sorted(set(labels)))}
+
+
+def _styles(labels: list[str]) -> dict[str, dict[str, Any]]:
+    """Colour, marker, marker size and line style per backend label."""
+    names = sorted(set(labels))
+    colors = _colors(names)
+    return {name: {"color": colors[name], "marker": MARKERS[i % len(MARKERS)],
+                   "markersize": max(4.0, 9.0 - 1.5 * i), "linestyle": LINESTYLES[i % len(LINESTYLES)]}
+            for i, name in enumerate(names)}
 
 
 def _figure(width: float, height: float, ncols: int = 1) -> tuple["Figure", list["Axes"]]:
@@ -47,6 +66,11 @@ def _figure(width: float, height: float, ncols: int = 1) -> tuple["Figure", list
     return fig, list(axes)
 
 
+def _wrap(title: str, width_in: float) -> str:
+    """A title broken into lines that fit the figure, so that it is never cut off."""
+    return "\n".join(textwrap.wrap(title, max(30, int(width_in * _TITLE_CHARS_PER_INCH))))
+
+
 def _mark_failed_ticks(ax: "Axes", statuses: list[str]) -> None:
     for tick, status in zip(ax.get_xticklabels(), statuses):
         if status != "ok":
@@ -57,45 +81,82 @@ def _tick_labels(keys: list[tuple], statuses: list[str]) -> list[str]:
     return [_label(k) + ("" if s == "ok" else f"\n[{s}]") for k, s in zip(keys, statuses)]
 
 
-def epoch_time_figure(groups: pd.DataFrame, title: str) -> "Figure":
-    """Bars of the steady epoch time per backend (median over repeats) with the 95% interval.
+def _interval_note(kinds: Iterable[str]) -> str:
+    kinds = {k for k in kinds if k}
+    if kinds == {CI_LABEL}:
+        return "bars: 95% CI of the median"
+    if kinds == {"range"}:
+        return "bars: min-max of the repeats"
+    if not kinds:
+        return "one repeat: no interval"
+    return "bars: 95% CI of the median with 6+ repeats, else min-max of the repeats"
 
-    ``groups``: the rows of ``stats.summarize(df).groups`` for one workload and device. Backends
-    whose status is not ok get hatched grey bars and a red label; those without a time get a note.
-    When no backend has a steady time (single-epoch runs), the first-epoch time is drawn instead.
-    """
+
+def _bars(ax: "Axes", groups: pd.DataFrame, value: str, low: str, high: str, unit: str, fmt: str) -> None:
+    """Bars of ``value`` per group with [low, high] error bars; the value is written above the
+    bar's error bar, never on it; failed groups hatched grey with a red label."""
     keys, statuses = list(groups.index), list(groups["status"])
     colors = _colors([_label(k) for k in keys])
-    fig, (ax,) = _figure(max(5.0, 1.3 * len(keys) + 2), 4.2)
     x = np.arange(len(keys))
-    steady = groups["steady_s"].notna().any()
-    med = groups["steady_s" if steady else "first_s"].to_numpy(dtype=float)
-    lo_col, hi_col = ("steady_low", "steady_high") if steady else ("first_s", "first_s")
-    low = np.nan_to_num(med - groups[lo_col].to_numpy(dtype=float), nan=0.0)
-    high = np.nan_to_num(groups[hi_col].to_numpy(dtype=float) - med, nan=0.0)
+    med = groups[value].to_numpy(dtype=float)
+    lo = groups[low].to_numpy(dtype=float)
+    hi = groups[high].to_numpy(dtype=float)
+    below = np.nan_to_num(med - lo, nan=0.0).clip(min=0)
+    above = np.nan_to_num(hi - med, nan=0.0).clip(min=0)
     ok = np.array([s == "ok" for s in statuses])
     face = [colors[_label(k)] if good else "#d0d0d0" for k, good in zip(keys, ok)]
-    bars = ax.bar(x, np.nan_to_num(med, nan=0.0), color=face, edgecolor=[
-        "black" if good else FAILED_COLOR for good in ok], yerr=np.vstack([low, high]), capsize=5,
-        error_kw={"elinewidth": 1.2, "ecolor": "black"})
-    top = np.nanmax(np.where(np.isfinite(med), med + high, np.nan)) if np.isfinite(med).any() else 1.0
-    for bar, good, value, status in zip(bars, ok, med, statuses):
+    bars = ax.bar(x, np.nan_to_num(med, nan=0.0), color=face,
+                  edgecolor=["black" if good else FAILED_COLOR for good in ok], yerr=np.vstack([below, above]),
+                  capsize=5, error_kw={"elinewidth": 1.2, "ecolor": "black"})
+    tops = np.where(np.isfinite(med), np.nan_to_num(med, nan=0.0) + above, 0.0)
+    for bar, good, v, status, top in zip(bars, ok, med, statuses, tops):
         if not good:
             bar.set_hatch("//")
-        if math.isfinite(value):
-            text = f"{value:#.3g} s"
+        if math.isfinite(v):
+            text = format(v, fmt) + unit
         else:
-            text = f"no time\n({status})" if not good else "n/a\n(1 epoch)"
-        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, (value if math.isfinite(value) else 0)),
-                    xytext=(0, 4), textcoords="offset points", ha="center", va="bottom", fontsize=9,
-                    color="black" if good else FAILED_COLOR)
+            text = f"no time\n({status})" if not good else "n/a"
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, top), xytext=(0, 6), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=9, color="black" if good else FAILED_COLOR)
     ax.set_xticks(x, _tick_labels(keys, statuses))
     _mark_failed_ticks(ax, statuses)
-    ax.set_ylim(0, top * 1.18)
-    ax.set_ylabel("steady epoch time (s)" if steady else "first epoch time (s)")
-    ax.set_title(title if steady else title.split(":")[0] + ": first epoch time (one epoch: no steady state)",
-                 fontsize=11)
+    top = float(np.nanmax(tops)) if len(tops) and np.nanmax(tops) > 0 else 1.0
+    ax.set_ylim(0, top * 1.22)
     ax.grid(axis="y", alpha=0.3)
+
+
+def epoch_time_figure(groups: pd.DataFrame, title: str) -> "Figure":
+    """Bars of the steady epoch time per backend (median over ok repeats) with its interval.
+
+    ``groups``: the rows of ``stats.summarize(df).groups`` for one experiment and device (the
+    training ones). Failed backends get hatched grey bars and a red label; those without a time a
+    note. When no backend has a steady time (single-epoch runs), the first-epoch time is drawn.
+    """
+    width = max(5.0, 1.3 * len(groups) + 2)
+    fig, (ax,) = _figure(width, 4.4)
+    steady = groups["steady_s"].notna().any()
+    if steady:
+        _bars(ax, groups, "steady_s", "steady_low", "steady_high", " s", "#.3g")
+        ax.set_ylabel("steady epoch time (s)")
+        note = _interval_note(groups["steady_interval"])
+        ax.set_title(_wrap(f"{title}: steady epoch time (median over repeats; {note})", width), fontsize=11)
+    else:
+        _bars(ax, groups, "first_s", "first_s", "first_s", " s", "#.3g")
+        ax.set_ylabel("first epoch time (s)")
+        ax.set_title(_wrap(f"{title}: first epoch time (one epoch: no steady state)", width), fontsize=11)
+    return fig
+
+
+def throughput_figure(groups: pd.DataFrame, title: str) -> "Figure":
+    """Bars of training throughput (samples/s of the steady epochs; median over ok repeats)."""
+    width = max(5.0, 1.3 * len(groups) + 2)
+    fig, (ax,) = _figure(width, 4.4)
+    _bars(ax, groups, "samples_per_s", "sps_low", "sps_high", "", ",.0f")
+    samples = groups["train_samples"].dropna()
+    per = f", {samples.max():,.0f} samples an epoch" if len(samples) else ""
+    ax.set_ylabel("training samples/s (higher is better)")
+    ax.set_title(_wrap(f"{title}: training throughput (median over repeats{per}; "
+                       f"{_interval_note(groups['steady_interval'])})", width), fontsize=11)
     return fig
 
 
@@ -106,22 +167,27 @@ def _per_epoch(train: pd.DataFrame, col: str) -> pd.DataFrame:
 
 def curves_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str) -> "Figure":
     """Training loss and validation accuracy per epoch per backend: mean over repeats with a
-    min-max band. ``df``: train_epoch rows of one workload and device. Failed backends are dashed,
-    labelled with their status, and a red x marks where their loss stopped being finite."""
+    min-max band. ``df``: train_epoch rows of one experiment and device. Each backend has its own
+    colour, marker and line style (backends that agree draw identical curves: the hollow markers
+    of decreasing size keep each visible); failed backends are dotted and labelled with their
+    status, and a red x marks where their loss stopped being finite."""
+    df = stats.with_experiment(df)
     keys = sorted({tuple(k) for k in df[GROUP_KEYS].itertuples(index=False)})
-    colors = _colors([_label(k) for k in keys])
-    fig, (loss_ax, acc_ax) = _figure(10.0, 4.2, ncols=2)
+    styles = _styles([_label(k) for k in keys])
+    fig, (loss_ax, acc_ax) = _figure(10.0, 4.4, ncols=2)
     by_group = dict(list(df.groupby(GROUP_KEYS, sort=True)))
     marked = False
     for key in keys:
         train, status = by_group[key], statuses.get(key, "ok")
-        style = {"color": colors[_label(key)], "linestyle": "-" if status == "ok" else "--", "marker": "o",
-                 "markersize": 3}
+        look = styles[_label(key)]
+        style = {"color": look["color"], "marker": look["marker"], "markersize": look["markersize"],
+                 "markerfacecolor": "none", "markeredgewidth": 1.4, "linewidth": 1.6,
+                 "linestyle": look["linestyle"] if status == "ok" else FAILED_LINESTYLE}
         name = _label(key) + ("" if status == "ok" else f" [{status}]")
         for ax, col in ((loss_ax, "loss"), (acc_ax, "val_accuracy")):
             agg = _per_epoch(train, col)
             ax.plot(agg.index, agg["mean"], label=name if ax is loss_ax else None, **style)
-            ax.fill_between(agg.index, agg["min"], agg["max"], color=style["color"], alpha=0.18, linewidth=0)
+            ax.fill_between(agg.index, agg["min"], agg["max"], color=style["color"], alpha=0.15, linewidth=0)
         bad = train.loc[~np.isfinite(train["loss"]), "epoch"]
         if len(bad):
             finite = _per_epoch(train, "loss")["mean"].dropna()
@@ -146,24 +212,33 @@ def curves_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str) -> "
         else:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    fig.suptitle(title + " (mean over repeats, band: min-max)", fontsize=11)
+    fig.suptitle(_wrap(title + ": training curves (mean over repeats, band: min-max)", 10.0), fontsize=11)
     fig.legend(loc="outside lower center", ncols=min(len(keys) + 1, 5), fontsize=9, frameon=False)
     return fig
 
 
-def inference_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str) -> "Figure":
-    """Box plot (with every pass as a point) of the inference time per backend.
+def inference_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str,
+                     samples: Optional[float] = None) -> "Figure":
+    """Box plot (with every pass as a point) of the steady inference time per backend: passes
+    after each repeat's first; the first pass (tracing, compilation, first copies) is written
+    above each box instead, so that it does not squash the scale.
 
-    ``df``: inference rows of one workload and device; failed backends are hatched and red."""
+    ``df``: inference rows of one experiment and device (of the repeats that count); ``samples``:
+    the samples in one pass, said in the title. Failed backends are hatched and red."""
+    df = stats.with_experiment(df)
     keys = sorted(statuses)
     colors = _colors([_label(k) for k in keys])
-    fig, (ax,) = _figure(max(5.0, 1.3 * len(keys) + 2), 4.2)
-    by_group = {k: g["seconds"].dropna().to_numpy() for k, g in df.groupby(GROUP_KEYS, sort=True)}
+    width = max(5.0, 1.3 * len(keys) + 2)
+    fig, (ax,) = _figure(width, 4.4)
+    steady = stats.steady_inference(df)
+    by_group = {k: g["seconds"].dropna().to_numpy() for k, g in steady.groupby(GROUP_KEYS, sort=True)}
+    firsts = df[(df["phase"] == "inference") & (df["epoch"] == 1)].groupby(GROUP_KEYS)["seconds"].median()
     data = [by_group.get(k, np.array([])) for k in keys]
     st = [statuses[k] for k in keys]
     box = ax.boxplot(data, positions=np.arange(len(keys)), widths=0.55, patch_artist=True,
                      showfliers=False, medianprops={"color": "black"})
     rng = np.random.default_rng(0)
+    tops = [float(np.max(v)) if len(v) else 0.0 for v in data]
     for i, (key, values, status) in enumerate(zip(keys, data, st)):
         patch = box["boxes"][i]
         good = status == "ok"
@@ -174,14 +249,20 @@ def inference_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str) -
             patch.set_edgecolor(FAILED_COLOR)
         if len(values):
             ax.scatter(i + rng.uniform(-0.15, 0.15, len(values)), values, s=12, color="black", alpha=0.6, zorder=3)
+            first = firsts.get(key, math.nan)
+            note = f"1st pass\n{first:#.3g} s" if math.isfinite(first) else ""
         else:
-            ax.annotate(f"no time\n({status})", (i, 0), xytext=(0, 4), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=9, color=FAILED_COLOR)
+            note = f"no time\n({status})"
+        if note:
+            ax.annotate(note, (i, tops[i]), xytext=(0, 6), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=8, color="dimgray" if good else FAILED_COLOR)
     ax.set_xticks(np.arange(len(keys)), _tick_labels(keys, st))
     _mark_failed_ticks(ax, st)
-    ax.set_ylim(bottom=0)
-    ax.set_ylabel("inference time per pass (s)")
-    ax.set_title(title, fontsize=11)
+    ax.set_ylim(0, (max(tops) if tops and max(tops) > 0 else 1.0) * 1.3)
+    per = f"{samples:,.0f} samples" if samples and math.isfinite(samples) else "one"
+    ax.set_ylabel(f"seconds per pass ({per})")
+    ax.set_title(_wrap(f"{title}: inference time per pass of {per} (passes after the first; "
+                       "box: quartiles, dots: passes)", width), fontsize=11)
     ax.grid(axis="y", alpha=0.3)
     return fig
 
@@ -190,47 +271,102 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
 
 
+def _timed_rows(df: pd.DataFrame, summary: stats.Summary) -> pd.DataFrame:
+    """The rows of the repeats that feed the timings (see ``stats.timed_repeats``)."""
+    timed = summary.repeats.index[summary.repeats["timed"].to_numpy()]
+    return df[df.set_index(GROUP_KEYS + REPEAT_KEYS).index.isin(timed)]
+
+
 def figures(df: pd.DataFrame) -> list[tuple[str, "Figure"]]:
-    """Every figure for a results frame, as (file stem, figure), per workload and device."""
-    groups = stats.summarize(df).groups
+    """Every figure for a results frame, as (file stem, figure), per experiment and device."""
+    df = stats.with_experiment(df)
+    summary = stats.summarize(df)
+    groups = summary.groups
+    timed = _timed_rows(df, summary)
     out = []
-    for ctx, frame in groups.groupby(CONTEXT_KEYS, sort=True):
+    contexts = sorted(groups.groupby(CONTEXT_KEYS, sort=False),
+                      key=lambda item: tuple(stats.natural_key(part) for part in item[0]))
+    for ctx, frame in contexts:
         where = f"{ctx[0]} on {ctx[1]}"
         stem = f"{_slug(ctx[0])}-{_slug(ctx[1])}"
-        rows = df[(df["workload"] == ctx[0]) & (df["device"] == ctx[1])]
+        in_ctx = (df["experiment"] == ctx[0]) & (df["device"] == ctx[1])
+        rows = df[in_ctx]
         statuses = dict(zip(frame.index, frame["status"]))
         train = rows[rows["phase"] == "train_epoch"]
-        infer = rows[rows["phase"] == "inference"]
+        infer = timed[(timed["experiment"] == ctx[0]) & (timed["device"] == ctx[1]) & (timed["phase"] == "inference")]
+        trains = frame[~frame["inference_only"].astype(bool)]
         if len(train):
-            out.append((f"{stem}-epoch-time", epoch_time_figure(
-                frame, f"{where}: steady epoch time (median over repeats, 95% CI)")))
-            out.append((f"{stem}-curves", curves_figure(train, statuses, f"{where}: training curves")))
-        if len(infer):
-            out.append((f"{stem}-inference", inference_figure(
-                infer, statuses, f"{where}: inference time (box: quartiles, dots: passes)")))
+            out.append((f"{stem}-epoch-time", epoch_time_figure(trains, where)))
+            if trains["samples_per_s"].notna().any():
+                out.append((f"{stem}-throughput", throughput_figure(trains, where)))
+            out.append((f"{stem}-curves", curves_figure(train, statuses, where)))
+        if len(rows[rows["phase"] == "inference"]):
+            samples = frame["infer_samples"].max()
+            out.append((f"{stem}-inference", inference_figure(infer, statuses, where, samples)))
     return out
 
 
-def _index_html(images: list[Path], summary_text: str, sources: list[str]) -> str:
+_ENV_COLUMNS = (("backend_version", "version"), ("host", "host"), ("cpu", "CPU"), ("threads", "threads"),
+                ("gpu", "GPU"), ("python", "python"), ("os", "OS"))
+
+
+def environment_table(df: pd.DataFrame) -> list[list[str]]:
+    """One row per backend label: its versions, hosts, CPUs, threads (each distinct value)."""
+    df = stats.with_experiment(df)
+    rows = []
+    for (backend, mode), sub in df.groupby(["backend", "mode"], sort=True):
+        cells = [label(backend, mode), ", ".join(sorted({str(d) for d in sub["device"] if d != ""}))]
+        for col, _ in _ENV_COLUMNS:
+            if col not in sub.columns:
+                cells.append("")
+                continue
+            values = sub[col].dropna()
+            text = sorted({f"{v:g}" if isinstance(v, float) else str(v) for v in values} - {""})
+            cells.append(", ".join(text))
+        rows.append(cells)
+    return rows
+
+
+def _html_table(head: list[str], rows: list[list[str]]) -> str:
+    cell = lambda tag, v: f"<{tag}>{html.escape(v)}</{tag}>"  # noqa: E731
+    return ("<table><tr>" + "".join(cell("th", h) for h in head) + "</tr>"
+            + "".join("<tr>" + "".join(cell("td", v) for v in r) + "</tr>" for r in rows) + "</table>")
+
+
+def _index_html(images: list[Path], summary_text: str, sources: list[str], warnings: list[str],
+                env_rows: list[list[str]]) -> str:
     parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
              "<title>benchbackend report</title>",
              "<style>body{font-family:system-ui,sans-serif;max-width:1250px;margin:2em auto;padding:0 1em}"
              "pre{background:#f6f8fa;padding:1em;overflow-x:auto;font-size:13px}"
+             "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:2px 8px;"
+             "text-align:left}.warnings li{color:#8a4b00}"
              "img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}</style></head><body>",
              "<h1>benchbackend report</h1>",
              "<p>From " + ", ".join(f"<code>{html.escape(s)}</code>" for s in sources) + "</p>"]
+    if warnings:
+        parts += ["<h2>Warnings</h2>", '<ul class="warnings">']
+        parts += [f"<li>{html.escape(w)}</li>" for w in warnings]
+        parts.append("</ul>")
     if summary_text:
         parts += ["<h2>Summary</h2>", f"<pre>{html.escape(summary_text)}</pre>"]
+    if env_rows:
+        head = ["backend", "device"] + [name for _, name in _ENV_COLUMNS]
+        parts += ["<h2>Environment</h2>", _html_table(head, env_rows)]
+    if images:
+        parts.append("<h2>Figures</h2>")
     for img in images:
         parts.append(f'<figure><img src="{html.escape(img.name)}" alt="{html.escape(img.stem)}"></figure>')
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
 
-def write_report(df: pd.DataFrame, out_dir: Path, summary_text: str) -> list[Path]:
-    """Write the figures as PNGs and an index.html showing them under the summary table.
+def write_report(df: pd.DataFrame, out_dir: Path, summary_text: str,
+                 warnings: Iterable[str] = ()) -> list[Path]:
+    """Write the figures as PNGs and an index.html: the warnings, the summary table, the
+    environment (backend versions, hosts, CPUs, threads) and the figures.
 
-    ``summary_text`` is the table to show (``compare``'s text: this module draws, it does not
+    ``summary_text`` and ``warnings`` are what ``compare`` printed (this module draws, it does not
     compare). Returns the paths written, PNGs first, index.html last. Raises ResultsError when
     ``out_dir`` is not writable.
     """
@@ -244,7 +380,8 @@ def write_report(df: pd.DataFrame, out_dir: Path, summary_text: str) -> list[Pat
             written.append(path)
         index = out_dir / "index.html"
         sources = sorted(set(df["source"])) if "source" in df else []
-        index.write_text(_index_html(written, summary_text, sources), encoding="utf-8")
+        index.write_text(_index_html(written, summary_text, sources, list(warnings), environment_table(df)),
+                         encoding="utf-8")
     except OSError as exc:
         raise ResultsError(f"{out_dir}: cannot write plots ({exc})") from None
     return written + [index]

@@ -182,6 +182,8 @@ def read(path: str | Path) -> "Any":
 def for_comparison(df: "Any") -> "Any":
     """A copy shaped for comparing backends.
 
+    - ``experiment`` names one experiment definition: rows are pooled and compared only within
+      one (see :func:`experiments`).
     - ``device`` becomes what the user asked for (``--device cpu``) where recorded: backends name
       one device differently (torch ``cpu``, TensorFlow ``cpu:0``, PlaidML ``llvm_cpu.0``), and
       comparisons are between backends asked to use the same device.
@@ -191,6 +193,7 @@ def for_comparison(df: "Any") -> "Any":
       (schema-1 files, which have no precision, ran fp32).
     """
     out = df.copy()
+    out["experiment"] = experiments(out)
     if "precision" in out.columns:
         out["precision"] = out["precision"].astype(str).replace("", "fp32")
     if "requested_device" in out.columns:
@@ -205,8 +208,100 @@ def for_comparison(df: "Any") -> "Any":
     return out
 
 
+#: How a definition field is named in an experiment's label (``train`` is what ``--limit`` sets).
+_FIELD_NAMES = {"train": "limit", "data": "data"}
+#: Fields implied by ``train`` (``--limit`` shrinks them in proportion): named only on their own.
+_IMPLIED = ("val", "test")
+
+
+def definition_fields(text: str) -> dict[str, str]:
+    """``{"train": "1024", "epochs": "2", ...}`` from a ``definition`` cell (space-separated key=value)."""
+    out: dict[str, str] = {}
+    for part in str(text or "").split():
+        key, sep, value = part.partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def _derived_fields(df: "Any", keys: list[str]) -> "Any":
+    """Readable fields of each definition for files without a ``definition`` column: training
+    samples per epoch, test samples per pass, epochs, data source."""
+    import pandas as pd
+
+    phase = df["phase"]
+    train = df[phase == "train_epoch"].groupby(keys, sort=False)
+    infer = df[phase == "inference"].groupby(keys, sort=False)
+    fields = pd.DataFrame({"train": train["samples"].max(), "epochs": train["epoch"].max(),
+                           "test": infer["samples"].max()})
+    return fields.map(lambda v: "" if pd.isna(v) else f"{v:g}")
+
+
+def experiments(df: "Any") -> "Any":
+    """Each row's experiment label: the workload name, qualified by what differs when the rows hold
+    several definitions of one workload name, e.g. ``mnist (limit 1024)`` and ``mnist (limit 2000)``.
+
+    A definition is (workload, workload_hash, data_source); the hash covers the model, training
+    settings, sizes after ``--limit``, epochs, batch size and seed. What differs is read from the
+    ``definition`` column (``train=1024 val=256 test=256 epochs=2 batch=32 seed=0 data=synthetic``)
+    where present, else from the rows (samples per epoch and per pass, epochs, data source); when
+    nothing readable differs, the label carries the hash: ``mnist (def 3fa2c1)``. Rows of a status
+    with no hash or data source (old files) join the workload's only definition when it has one.
+    """
+    import pandas as pd
+
+    keys = ["workload", "workload_hash", "data_source"]
+    frame = pd.DataFrame({k: (df[k].astype(str) if k in df.columns else "") for k in keys}, index=df.index)
+    # A status row written before anything was known (a worker that died at once) joins the
+    # definition of its run in its file, or the workload's only definition.
+    run = [frame["workload"]] + [df[c].astype(str) for c in ("source", "run_id") if c in df.columns]
+    for col in ("workload_hash", "data_source"):
+        for by in (run, [frame["workload"]]):
+            missing = frame[col] == ""
+            if not missing.any():
+                break
+            known = frame[col].where(~missing)
+            single = known.groupby(by).transform(lambda s: s.dropna().iloc[0] if s.dropna().nunique() == 1 else "")
+            frame[col] = frame[col].where(~missing, single.astype(object).fillna(""))
+    defs = frame.drop_duplicates()
+    counts = defs.groupby("workload")["workload_hash"].transform("size")
+    labels = pd.Series(defs["workload"].to_numpy(), index=pd.MultiIndex.from_frame(defs))
+    multi = defs[counts.to_numpy() > 1]
+    if len(multi):
+        work = df.assign(**{k: frame[k] for k in keys})
+        derived = _derived_fields(work, keys)
+        written = (work[work["definition"].astype(str) != ""].groupby(keys, sort=False)["definition"].first()
+                   if "definition" in work.columns else pd.Series(dtype=str))
+        for workload, sub in multi.groupby("workload", sort=False):
+            fields = {}
+            for key in sub.itertuples(index=False, name=None):
+                got = definition_fields(written.get(key, "")) if key in written.index else {}
+                if not got and key in derived.index:
+                    got = {k: v for k, v in derived.loc[key].items() if v}
+                got.setdefault("data", key[2])
+                fields[key] = got
+            # A field some definitions do not record (older files) is unknown there, not different.
+            recorded = [set(got) for key, got in fields.items() if key[1]]
+            names = sorted(set.intersection(*recorded)) if recorded else []
+            differ = [f for f in names if len({got[f] for got in fields.values()}) > 1]
+            if "train" in differ:
+                differ = [f for f in differ if f not in _IMPLIED]
+            for key, got in fields.items():
+                parts = [f"{_FIELD_NAMES.get(f, f)} {got[f]}" for f in differ if f in got]
+                labels[key] = (f"{workload} ({', '.join(parts)})" if parts and key[1] else
+                               workload if key[1] else f"{workload} (def unknown)")
+            taken = pd.Series([labels[k] for k in fields]).value_counts()
+            for key in fields:  # readable fields do not tell these apart: the hash does
+                if taken[labels[key]] > 1:
+                    tag = f"def {key[1][:6] or 'unknown'}"
+                    labels[key] = f"{labels[key][:-1]}, {tag})" if labels[key] != workload else f"{workload} ({tag})"
+    index = pd.MultiIndex.from_frame(frame)
+    return pd.Series(labels.reindex(index).to_numpy(), index=df.index, name="experiment")
+
+
 def read_many(paths: Iterable[str | Path], skip_bad: bool = False) -> tuple["Any", list[str]]:
-    """Read files and directories (``*.csv`` inside). Returns (frame, skipped-file messages)."""
+    """Read files and directories (``*.csv`` inside). Returns (frame, skipped-file messages); the
+    frame's ``attrs["files"]`` lists the files read."""
     import pandas as pd
 
     files: list[Path] = []
@@ -221,17 +316,20 @@ def read_many(paths: Iterable[str | Path], skip_bad: bool = False) -> tuple["Any
             files.append(p)
     if not files:
         raise ResultsError("no results files given")
-    frames, skipped = [], []
+    frames, skipped, read_ok = [], [], []
     for f in files:
         try:
             frames.append(read(f))
+            read_ok.append(str(f))
         except ResultsError as exc:
             if not skip_bad:
                 raise
             skipped.append(str(exc))
     if not frames:
         raise ResultsError("no readable results files: " + "; ".join(skipped))
-    return pd.concat(frames, ignore_index=True), skipped
+    df = pd.concat(frames, ignore_index=True)
+    df.attrs["files"] = read_ok  # a header-only file adds no row, but compare names it
+    return df, skipped
 
 
 def default_path(workloads: list[str], when: Optional[str] = None, folder: str | Path = "results") -> Path:

@@ -1,14 +1,27 @@
 """The numbers behind ``compare`` and the plots: per-repeat reduction, group summaries, ratios.
 
-A *group* is one (workload, device, backend, mode); a *repeat* is one (run_id, repeat), i.e. one
-fresh worker process. Statistics are taken over repeats, never over epochs of one process, because
-epochs of one process share its caches, allocator and thread pools and are not independent.
+A *group* is one (experiment, device, backend, mode); an *experiment* is one definition of a
+workload (its hash and data source, see ``results.for_comparison``); a *repeat* is one
+(run_id, repeat), i.e. one fresh worker process. Statistics are taken over repeats, never over
+epochs of one process, because epochs of one process share its caches, allocator and thread pools
+and are not independent.
+
+Only repeats whose status is ``ok`` feed a group's timings. A group with no ``ok`` repeat shows
+the timings of its repeats that ran to the end but failed a check (a NaN loss, a parity mismatch),
+so that "fast but wrong" stays visible; such a group is never ranked. Crashed, timed-out,
+interrupted and pending repeats never feed a timing: their epochs are partial.
+
+The decision rule (one for every verdict and interval): Welch's t on the log of per-repeat times.
+The point estimate is the ratio of geometric means baseline/candidate (above 1: the candidate is
+faster); the 95% interval is exp of Welch's interval of the mean log difference; the difference
+is significant iff that interval leaves 1 out. The point estimate always lies inside its interval.
 """
 from __future__ import annotations
 
 import math
-import zlib
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -16,19 +29,24 @@ import pandas as pd
 
 from .results import STATUSES, worst_status
 
-GROUP_KEYS = ["workload", "device", "backend", "mode"]
-CONTEXT_KEYS = ["workload", "device"]
+GROUP_KEYS = ["experiment", "device", "backend", "mode"]
+CONTEXT_KEYS = ["experiment", "device"]
 REPEAT_KEYS = ["run_id", "repeat"]
-ALPHA = 0.05
 LEVEL = 0.95
-RESAMPLES = 2000
-SEED = 0
+#: Statuses of repeats that ran to the end but failed a check: their timings are complete.
+CHECK_FAILED = ("parity_mismatch", "chance_accuracy", "diverged", "nan_loss")
+#: Labels of a group's interval column: a real 95% interval, or the min-max range of the repeats.
+CI_LABEL = "95% CI"
+RANGE_LABEL = "range"
 
 #: Columns of :func:`summarize`'s ``groups`` frame besides the keys.
 SUMMARY_COLUMNS = [
-    "status", "message", "repeats", "first_s", "steady_s", "steady_low", "steady_high", "steady_spread",
-    "steady_n", "samples_per_s", "val_accuracy", "parity_max_abs", "parity_max_rel", "infer_s",
-    "infer_low", "infer_high", "infer_spread", "infer_n",
+    "workload", "workload_hash", "definition", "status", "message", "repeats", "ok_repeats", "failed",
+    "timed_from", "inference_only", "train_samples", "infer_samples",
+    "first_s", "steady_s", "steady_low", "steady_high", "steady_interval", "steady_spread", "steady_n",
+    "samples_per_s", "sps_low", "sps_high", "val_accuracy", "parity_max_abs", "parity_max_rel",
+    "infer_first_s", "infer_s", "infer_low", "infer_high", "infer_interval", "infer_spread", "infer_n",
+    "threads",
 ]
 
 
@@ -39,28 +57,76 @@ def label(backend: str, mode: str) -> str:
     return f"{backend}{mode}" if mode.startswith("@") else f"{backend}:{mode}"
 
 
+def natural_key(text: str) -> tuple:
+    """Sort key that orders ``mnist (limit 512)`` before ``mnist (limit 2000)``."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", str(text)) if p)
+
+
+def is_ok(status: str) -> bool:
+    """Whether a group's results count as correct (only ``ok`` can be ranked)."""
+    return status == STATUSES[0]
+
+
+# --- the decision rule -------------------------------------------------------------------------
+
+def _fixed(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits in plain notation (never ``1.14e+03``)."""
+    if not math.isfinite(x) or x == 0:
+        return f"{x:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:.{decimals}f}"
+
+
+def _bounds(ratio: float, low: float, high: float) -> tuple[str, str, str]:
+    """Ratio and bounds printed with enough digits that the printed bounds stay on their side of 1
+    and the printed ratio between them (3 significant digits unless that would blur it)."""
+    for digits in range(3, 9):
+        r, lo, hi = (_fixed(v, digits) for v in (ratio, low, high))
+        fr, flo, fhi = float(r), float(lo), float(hi)
+        same_side = (low > 1) == (flo > 1) and (high < 1) == (fhi < 1)
+        if same_side and flo <= fr <= fhi:
+            break
+    return r, lo, hi
+
+
 @dataclass(frozen=True)
 class Ratio:
-    """Baseline time over candidate time: above 1 the candidate is faster."""
+    """Speed-up of a candidate over a baseline: baseline time / candidate time (above 1: faster).
+
+    ``ratio`` is the ratio of geometric means; ``low``/``high`` its 95% interval (Welch's t on log
+    times); ``significant`` iff the interval leaves 1 out. ``testable`` is False when a side has a
+    single repeat, or neither side any spread: there is then no interval.
+    """
 
     ratio: float
     low: float
     high: float
     pvalue: float
     significant: bool
-    #: False when a side has a single repeat: there is no spread to test against.
     testable: bool
 
     @property
     def verdict(self) -> str:
-        """``"1.85x faster"``, ``"1.20x slower"``, ``"not significant"`` or ``"n/a"``."""
+        """``faster``, ``slower``, ``not significant``, ``too few repeats`` or ``n/a``."""
         if not math.isfinite(self.ratio) or self.ratio <= 0:
             return "n/a"
+        if not self.testable:
+            return "too few repeats"
         if not self.significant:
-            return "not significant" if self.testable else "not significant (too few repeats)"
-        if self.ratio >= 1:
-            return f"{self.ratio:.2f}x faster"
-        return f"{1 / self.ratio:.2f}x slower"
+            return "not significant"
+        return "faster" if self.ratio > 1 else "slower"
+
+    @property
+    def text(self) -> str:
+        """``faster: 1.85x [1.60-2.10]``: the verdict, the speed-up and its 95% interval, all from
+        one rule, so that a verdict and its interval always point the same way."""
+        verdict = self.verdict
+        if verdict == "n/a":
+            return verdict
+        if not self.testable:
+            return f"{verdict}: {_fixed(self.ratio)}x"
+        r, lo, hi = _bounds(self.ratio, self.low, self.high)
+        return f"{verdict}: {r}x [{lo}-{hi}]"
 
     @property
     def slowdown(self) -> float:
@@ -68,103 +134,110 @@ class Ratio:
         return 1 / self.ratio if self.ratio > 0 else math.inf
 
 
-def boot_medians(values: np.ndarray, seed: int = SEED) -> np.ndarray:
-    """Medians of ``RESAMPLES`` bootstrap resamples of ``values`` (vectorized, seeded)."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(values), size=(RESAMPLES, len(values)))
-    return np.median(values[idx], axis=1)
-
-
-def _percentiles(samples: np.ndarray) -> tuple[float, float]:
-    low, high = np.percentile(samples, [100 * (1 - LEVEL) / 2, 100 * (1 + LEVEL) / 2])
-    return float(low), float(high)
-
-
 def _clean(values: np.ndarray) -> np.ndarray:
     values = np.asarray(values, dtype=float)
-    return values[np.isfinite(values)]
+    return values[np.isfinite(values) & (values > 0)]
 
 
-def bootstrap_median_ci(values: np.ndarray, seed: int = SEED) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the median; (nan, nan) for fewer than 2 values."""
-    values = _clean(values)
-    if len(values) < 2:
-        return math.nan, math.nan
-    return _percentiles(boot_medians(values, seed))
+def compare_times(baseline: np.ndarray, candidate: np.ndarray) -> Optional[Ratio]:
+    """Compare per-repeat times with the decision rule in this module's docstring.
 
-
-def _min_pvalue(n: int, m: int) -> float:
-    """Smallest two-sided p-value an exact Mann-Whitney U test can give for sizes n and m."""
-    return min(1.0, 2 / math.comb(n + m, n))
-
-
-def compare_times(baseline: np.ndarray, candidate: np.ndarray, base_boot: Optional[np.ndarray] = None,
-                  cand_boot: Optional[np.ndarray] = None) -> Optional[Ratio]:
-    """Compare per-repeat times: Mann-Whitney U (two-sided, ``ALPHA``) plus a bootstrap interval
-    of median(baseline) / median(candidate). None when either side has no value.
-
-    ``base_boot``/``cand_boot``: bootstrap medians already drawn (independently) for each side."""
-    base, cand = _clean(baseline), _clean(candidate)
+    None when either side has no value. Welch's t needs no equal variances and works with 3
+    repeats a side, where a rank test can never reach 5% (3 against 3: p >= 0.1 whatever the times).
+    """
+    base, cand = np.log(_clean(baseline)), np.log(_clean(candidate))
     if len(base) == 0 or len(cand) == 0:
         return None
-    ratio = float(np.median(base) / np.median(cand))
+    diff = float(base.mean() - cand.mean())
+    ratio = math.exp(diff)
     if len(base) < 2 or len(cand) < 2:
-        return Ratio(ratio, math.nan, math.nan, 1.0, False, False)
-    # imported here: scipy.stats costs ~0.7 s to import
-    from scipy.stats import mannwhitneyu, ttest_ind
+        return Ratio(ratio, math.nan, math.nan, math.nan, False, False)
+    vb, vc = base.var(ddof=1) / len(base), cand.var(ddof=1) / len(cand)
+    se = math.sqrt(vb + vc)
+    if not se > 0:
+        return Ratio(ratio, math.nan, math.nan, math.nan, False, False)
+    df = (vb + vc) ** 2 / (vb ** 2 / (len(base) - 1) + vc ** 2 / (len(cand) - 1))
+    # imported here: scipy costs a noticeable part of a second to import
+    from scipy.special import stdtr, stdtrit
 
-    if _min_pvalue(len(base), len(cand)) < ALPHA:
-        pvalue = float(mannwhitneyu(base, cand, alternative="two-sided").pvalue)
-    else:
-        # A rank test cannot reach ALPHA with so few repeats (3 against 3: p >= 0.1 whatever the
-        # times), so use Welch's t-test on log times, which can; timings are roughly log-normal.
-        with np.errstate(all="ignore"):
-            pvalue = float(ttest_ind(np.log(base), np.log(cand), equal_var=False).pvalue)
-        pvalue = 1.0 if math.isnan(pvalue) else pvalue
-    base_boot = boot_medians(base, SEED) if base_boot is None else base_boot
-    cand_boot = boot_medians(cand, SEED + 1) if cand_boot is None else cand_boot
-    low, high = _percentiles(base_boot / cand_boot)
-    # Significant: the test rejects *and* the ratio's interval leaves 1 out.
-    significant = pvalue < ALPHA and (low > 1 or high < 1)
-    return Ratio(ratio, float(low), float(high), pvalue, bool(significant), True)
+    half = float(stdtrit(df, (1 + LEVEL) / 2)) * se
+    pvalue = float(2 * stdtr(df, -abs(diff) / se))
+    low, high = math.exp(diff - half), math.exp(diff + half)
+    return Ratio(ratio, low, high, pvalue, bool(low > 1 or high < 1), True)
 
 
-@dataclass
-class Summary:
-    """``groups``: one row per group (index GROUP_KEYS, columns SUMMARY_COLUMNS);
-    ``repeats``: one row per repeat (index GROUP_KEYS + REPEAT_KEYS) with first_s, steady_s, infer_s,
-    samples_per_s and val_accuracy."""
+# --- the interval of one group's median ----------------------------------------------------------
 
-    groups: pd.DataFrame
-    repeats: pd.DataFrame
-    _boot: dict = field(default_factory=dict, repr=False)
+@lru_cache(maxsize=None)
+def order_statistic_rank(n: int, level: float = LEVEL) -> Optional[int]:
+    """The largest k such that [x_(k), x_(n-k+1)] (1-based order statistics) covers the median of
+    any continuous distribution with probability >= ``level``; None when even [min, max] falls short
+    (n <= 5 for 95%: [min, max] of 5 covers 93.75%)."""
+    best = None
+    for k in range(1, n // 2 + 1):
+        tail = sum(math.comb(n, i) for i in range(k)) / 2 ** n
+        if 1 - 2 * tail >= level:
+            best = k
+        else:
+            break
+    return best
 
-    def bootstrap(self, key: tuple, column: str) -> Optional[np.ndarray]:
-        """Bootstrap medians of one group's per-repeat ``column``, drawn once, from a seed of its own
-        (so that two groups' resamples are independent and results do not depend on order)."""
-        if (key, column) not in self._boot:
-            values = self.samples(key, column)
-            seed = zlib.crc32(repr((key, column)).encode())
-            self._boot[key, column] = boot_medians(values, seed) if len(values) >= 2 else None
-        return self._boot[key, column]
 
-    def samples(self, key: tuple, column: str) -> np.ndarray:
-        """Per-repeat values of ``column`` ("steady_s" or "infer_s") for one group."""
-        try:
-            values = self.repeats.loc[key, column]
-        except KeyError:
-            return np.array([])
-        return _clean(np.atleast_1d(np.asarray(values, dtype=float)))
+def median_interval(values: np.ndarray) -> tuple[float, float, str]:
+    """(low, high, kind): a distribution-free 95% interval of the median (kind ``CI_LABEL``) where
+    the repeats allow one (6 or more), else the min-max range (kind ``RANGE_LABEL``); NaN and ""
+    for fewer than 2 values."""
+    values = np.sort(_clean(values))
+    n = len(values)
+    if n < 2:
+        return math.nan, math.nan, ""
+    k = order_statistic_rank(n)
+    if k is None:
+        return float(values[0]), float(values[-1]), RANGE_LABEL
+    return float(values[k - 1]), float(values[n - k]), CI_LABEL
+
+
+# --- reduction -------------------------------------------------------------------------------------
+
+def with_experiment(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with the ``experiment`` column (``results.for_comparison`` adds it; plots may be
+    given a frame straight from ``results.read``)."""
+    if "experiment" in df.columns:
+        return df
+    from .results import experiments
+
+    return df.assign(experiment=experiments(df))
+
+
+def repeat_status(df: pd.DataFrame) -> pd.Series:
+    """The worst status of each repeat's rows (index GROUP_KEYS + REPEAT_KEYS)."""
+    keys = GROUP_KEYS + REPEAT_KEYS
+    known = {s: i for i, s in enumerate(STATUSES)}
+    codes, uniques = pd.factorize(df["status"])
+    # Rank each distinct status once ("" as ok; an unknown one worst of all), take the worst per repeat.
+    ranks = np.array([known.get(u, len(STATUSES)) if u else 0 for u in uniques], dtype=int)
+    worst = pd.Series(ranks[codes], index=df.index).groupby([df[k] for k in keys], sort=True,
+                                                            dropna=False).max()
+    by_rank = dict(enumerate(STATUSES))
+    by_rank[len(STATUSES)] = next((u for u in uniques if u and u not in known), "unknown")
+    return worst.map(by_rank).rename("status")
+
+
+def timed_repeats(status: pd.Series) -> pd.Series:
+    """Which repeats feed the timings: a group's ``ok`` repeats, or, where it has none, its repeats
+    that ran to the end but failed a check. Boolean, same index as ``status``."""
+    ok = status == STATUSES[0]
+    group_level = list(range(len(GROUP_KEYS)))
+    any_ok = ok.groupby(level=group_level, sort=False).transform("any")
+    return ok | (~any_ok & status.isin(CHECK_FAILED))
 
 
 def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
-    """Reduce measurement rows to one row per repeat.
-
-    steady_s is the median of the repeat's epochs >= 2 (NaN with a single epoch), first_s its
-    epoch 1, infer_s the median of its inference passes after the first (the first carries
-    tracing, compilation and first copies, as epoch 1 does; with a single pass, that pass),
-    val_accuracy the last epoch's value.
-    """
+    """One row per repeat: status, timed (feeds the timings), first_s (epoch 1), steady_s (median
+    of epochs >= 2; NaN with a single epoch), samples_per_s (of the same epochs; epoch 1's with a
+    single epoch), val_accuracy (last epoch), infer_first_s (the first inference pass, which
+    carries tracing, compilation and first copies, as epoch 1 does) and infer_s (median of the
+    passes after the first; the only pass when there is one)."""
     keys = GROUP_KEYS + REPEAT_KEYS
     phase = df["phase"]
     train = df.loc[phase == "train_epoch", keys + ["epoch", "seconds", "samples_per_s", "val_accuracy"]]
@@ -174,11 +247,17 @@ def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
     first = train[train["epoch"] == 1].groupby(keys, sort=False, dropna=False).agg(
         first_s=("seconds", "median"), first_sps=("samples_per_s", "median"))
     last = train.sort_values("epoch", kind="stable").groupby(keys, sort=False, dropna=False)["val_accuracy"].last()
+    inf = df.loc[phase == "inference", keys + ["epoch", "seconds"]]
     infer = steady_inference(df).groupby(keys, sort=False, dropna=False)["seconds"].median().rename("infer_s")
-    out = pd.concat([first, steady, last, infer], axis=1)
+    infer_first = inf[inf["epoch"] == 1].groupby(keys, sort=False, dropna=False)["seconds"].median()
+    status = repeat_status(df)
+    out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer], axis=1)
+    out["status"] = out["status"].fillna("ok")
     # With a single epoch there is no steady state; its throughput is all there is.
     out["samples_per_s"] = out["samples_per_s"].fillna(out.pop("first_sps"))
-    return out.sort_index()
+    out = out.sort_index()
+    out["timed"] = timed_repeats(out["status"])
+    return out
 
 
 def steady_inference(df: pd.DataFrame) -> pd.DataFrame:
@@ -198,51 +277,113 @@ def _spread(values: pd.Series, keys: list[str], centre: pd.Series) -> pd.Series:
     return (mad / centre).reindex(centre.index)
 
 
-def _status_and_message(df: pd.DataFrame) -> pd.DataFrame:
-    uniq = df.groupby(GROUP_KEYS, sort=True, dropna=False)["status"].unique()
-    status = uniq.map(lambda s: worst_status(v for v in s if v) if any(s) else "ok").rename("status")
+def _failed_text(status: pd.Series) -> str:
+    """``1 crashed, 2 nan_loss``: a group's repeats that are not ok, by status."""
+    counts = status[status != STATUSES[0]].value_counts()
+    rank = {s: i for i, s in enumerate(STATUSES)}
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: rank.get(kv[0], 99)))
+
+
+def _group_info(df: pd.DataFrame, reps: pd.DataFrame) -> pd.DataFrame:
+    """Status, message, repeat counts and what the experiment is, per group."""
+    by_rep = reps.groupby(level=list(range(len(GROUP_KEYS))), sort=True)
+    info = pd.DataFrame({
+        "status": by_rep["status"].agg(lambda s: worst_status(s)),
+        "repeats": by_rep.size(),
+        "ok_repeats": by_rep["status"].agg(lambda s: int((s == STATUSES[0]).sum())),
+        "failed": by_rep["status"].agg(_failed_text),
+    })
+    info.index.names = GROUP_KEYS
     noted = df.loc[df["message"] != "", GROUP_KEYS + ["status", "message"]]
-    noted = noted.join(status.rename("worst"), on=GROUP_KEYS)
+    noted = noted.join(info["status"].rename("worst"), on=GROUP_KEYS)
     noted = noted[noted["status"] == noted["worst"]]
-    message = noted.groupby(GROUP_KEYS, sort=False, dropna=False)["message"].first()
-    return pd.concat([status, message.reindex(status.index).fillna("")], axis=1)
+    info["message"] = noted.groupby(GROUP_KEYS, sort=False, dropna=False)["message"].first().reindex(
+        info.index).fillna("")
+    # What the experiment is, from the distinct values only (a few rows, not one per epoch).
+    extra = [c for c in ("workload", "workload_hash", "definition", "inference_only", "threads") if c in df.columns]
+    meta = df[GROUP_KEYS + extra].drop_duplicates()
+    by_meta = meta.groupby(GROUP_KEYS, sort=False, dropna=False)
+    info = info.join(by_meta[["workload", "workload_hash"]].first())
+    info["definition"] = (by_meta["definition"].agg(lambda d: next((v for v in d if v), ""))
+                          if "definition" in meta else "")
+    info["definition"] = info["definition"].fillna("")
+    phase = df["phase"]
+    sizes = df.loc[phase.isin(["train_epoch", "inference"]), GROUP_KEYS + ["phase", "samples"]].drop_duplicates()
+    for name, which in (("train_samples", "train_epoch"), ("infer_samples", "inference")):
+        part = sizes[sizes["phase"] == which]
+        info[name] = part.groupby(GROUP_KEYS, sort=False)["samples"].max().reindex(info.index)
+    if "inference_only" in meta:
+        flagged = meta["inference_only"].astype(str).str.lower().isin(["true", "1"])
+        only = flagged.groupby([meta[k] for k in GROUP_KEYS], sort=False).any()
+        info["inference_only"] = only.reindex(info.index).fillna(False).astype(bool) & info["train_samples"].isna()
+    else:
+        info["inference_only"] = False
+    if "threads" in meta:
+        threads = meta.groupby(GROUP_KEYS, sort=False, dropna=False)["threads"].agg(
+            lambda t: ", ".join(sorted({f"{v:g}" for v in t.dropna()})))
+        info["threads"] = threads.reindex(info.index).fillna("")
+    else:
+        info["threads"] = ""
+    return info
+
+
+def _intervals(timed: pd.DataFrame, col: str, index: pd.Index) -> pd.DataFrame:
+    rows = {key: median_interval(g.to_numpy()) for key, g in timed[col].groupby(
+        level=list(range(len(GROUP_KEYS))), sort=False)}
+    frame = pd.DataFrame.from_dict(rows, orient="index", columns=["low", "high", "kind"])
+    if len(frame):
+        frame.index = pd.MultiIndex.from_tuples(frame.index, names=GROUP_KEYS)
+    return frame.reindex(index)
+
+
+@dataclass
+class Summary:
+    """``groups``: one row per group (index GROUP_KEYS, columns SUMMARY_COLUMNS);
+    ``repeats``: one row per repeat (index GROUP_KEYS + REPEAT_KEYS), see :func:`per_repeat`."""
+
+    groups: pd.DataFrame
+    repeats: pd.DataFrame
+
+    def samples(self, key: tuple, column: str) -> np.ndarray:
+        """Per-repeat values of ``column`` ("steady_s" or "infer_s") of one group's timed repeats."""
+        try:
+            sub = self.repeats.loc[key]
+        except KeyError:
+            return np.array([])
+        return _clean(sub.loc[sub["timed"], column].to_numpy(dtype=float))
 
 
 def summarize(df: pd.DataFrame) -> Summary:
-    """Aggregate a results frame (``results.read``/``read_many``) per group."""
+    """Aggregate a results frame (``results.read``/``read_many``, best through
+    ``results.for_comparison``) per group."""
+    df = with_experiment(df)
     reps = per_repeat(df)
-    groups = _status_and_message(df)
-    by_group = reps.groupby(GROUP_KEYS, sort=False, dropna=False)
-    med = by_group.median()
-    groups["repeats"] = df[GROUP_KEYS + REPEAT_KEYS].drop_duplicates().groupby(
-        GROUP_KEYS, sort=False, dropna=False).size()
-    for col in ["first_s", "steady_s", "samples_per_s", "val_accuracy", "infer_s"]:
-        groups[col] = med[col]
-    groups["steady_n"] = by_group["steady_s"].count()
-    groups["infer_n"] = by_group["infer_s"].count()
-    phase = df["phase"]
-    steady_rows = df.loc[(phase == "train_epoch") & (df["epoch"] >= 2)].set_index(GROUP_KEYS)["seconds"]
-    infer_rows = steady_inference(df).set_index(GROUP_KEYS)["seconds"]
-    groups["steady_spread"] = _spread(steady_rows, GROUP_KEYS, steady_rows.groupby(GROUP_KEYS).median()
-                                      .reindex(groups.index))
-    groups["infer_spread"] = _spread(infer_rows, GROUP_KEYS, infer_rows.groupby(GROUP_KEYS).median()
-                                     .reindex(groups.index))
-    parity = df.loc[(phase == "parity") & df["steps"].isna()].groupby(GROUP_KEYS, sort=False, dropna=False)[
+    groups = _group_info(df, reps)
+    timed = reps[reps["timed"]]
+    level = list(range(len(GROUP_KEYS)))
+    by_group = timed.groupby(level=level, sort=False)
+    med = by_group[["first_s", "steady_s", "samples_per_s", "val_accuracy", "infer_first_s", "infer_s"]].median()
+    med.index.names = GROUP_KEYS
+    groups = groups.join(med)
+    groups["timed_from"] = by_group["status"].agg(
+        lambda s: "ok" if (s == STATUSES[0]).all() else "failed").reindex(groups.index).fillna("")
+    groups["steady_n"] = by_group["steady_s"].count().reindex(groups.index).fillna(0).astype(int)
+    groups["infer_n"] = by_group["infer_s"].count().reindex(groups.index).fillna(0).astype(int)
+    for name, col in (("steady", "steady_s"), ("infer", "infer_s"), ("sps", "samples_per_s")):
+        iv = _intervals(timed, col, groups.index)
+        groups[f"{name}_low"], groups[f"{name}_high"] = iv["low"], iv["high"]
+        if name != "sps":
+            groups[f"{name}_interval"] = iv["kind"].fillna("")
+    # The spread is over the individual epochs / passes of the timed repeats.
+    keep = df.set_index(GROUP_KEYS + REPEAT_KEYS).index.isin(timed.index)
+    rows = df[keep]
+    steady_rows = rows.loc[(rows["phase"] == "train_epoch") & (rows["epoch"] >= 2)].set_index(GROUP_KEYS)["seconds"]
+    infer_rows = steady_inference(rows).set_index(GROUP_KEYS)["seconds"]
+    for name, values in (("steady", steady_rows), ("infer", infer_rows)):
+        centre = values.groupby(GROUP_KEYS).median().reindex(groups.index)
+        groups[f"{name}_spread"] = _spread(values, GROUP_KEYS, centre) if len(values) else math.nan
+    parity = df.loc[(df["phase"] == "parity") & df["steps"].isna()].groupby(GROUP_KEYS, sort=False, dropna=False)[
         ["parity_max_abs", "parity_max_rel"]].max()
     groups = groups.join(parity)
-    groups["repeats"] = groups["repeats"].fillna(0).astype(int)
-    for col in ("steady_n", "infer_n"):
-        groups[col] = groups[col].fillna(0).astype(int)
-    summary = Summary(groups=groups, repeats=reps)
-    for name, col in (("steady", "steady_s"), ("infer", "infer_s")):
-        boots = [summary.bootstrap(key, col) for key in groups.index]
-        cis = [_percentiles(b) if b is not None else (math.nan, math.nan) for b in boots]
-        groups[f"{name}_low"] = [c[0] for c in cis]
-        groups[f"{name}_high"] = [c[1] for c in cis]
-    summary.groups = groups[SUMMARY_COLUMNS]
-    return summary
+    return Summary(groups=groups[SUMMARY_COLUMNS], repeats=reps)
 
-
-def is_ok(status: str) -> bool:
-    """Whether a group's results count as correct (only ``ok`` can be ranked)."""
-    return status == STATUSES[0]

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from .stats import CONTEXT_KEYS, label
+from .stats import CI_LABEL, CONTEXT_KEYS, RANGE_LABEL, label
 
 
 def short_message(message: str, width: int = 160) -> str:
@@ -24,10 +24,24 @@ def _num(x: Any, spec: str = "#.4g") -> str:
     return format(x, spec)
 
 
-def _ci(low: float, high: float) -> str:
-    if not (math.isfinite(low) and math.isfinite(high)):
+def _interval(row: pd.Series, prefix: str, mixed: bool) -> str:
+    low, high, kind = row[f"{prefix}_low"], row[f"{prefix}_high"], row[f"{prefix}_interval"]
+    if not kind or not (math.isfinite(low) and math.isfinite(high)):
         return "n/a"
-    return f"[{low:#.4g}, {high:#.4g}]"
+    text = f"[{low:#.4g}, {high:#.4g}]"
+    return f"{text} {'CI' if kind == CI_LABEL else kind}" if mixed else text
+
+
+def _interval_head(frame: pd.DataFrame, prefix: str) -> tuple[str, bool]:
+    """The interval column's name: "95% CI" where every group has 6+ repeats (a distribution-free
+    interval of the median that covers it 95% of the time), "range" (min-max of the repeats)
+    where none has, both (and each cell says which) otherwise."""
+    kinds = {k for k in frame[f"{prefix}_interval"] if k}
+    if kinds == {CI_LABEL}:
+        return f"{CI_LABEL} of median", False
+    if kinds <= {RANGE_LABEL}:
+        return "range of repeats", False
+    return f"{CI_LABEL} or range", len(kinds) > 1
 
 
 def _spread(x: float) -> str:
@@ -35,29 +49,36 @@ def _spread(x: float) -> str:
 
 
 def vs_cell(row: pd.Series, prefix: str) -> str:
-    """``2.00x faster [1.98-2.02]``: the verdict with the 95% interval in the same direction."""
-    verdict = row[f"{prefix}_verdict"]
-    ratio, low, high = row[f"{prefix}_ratio"], row[f"{prefix}_ratio_low"], row[f"{prefix}_ratio_high"]
-    if verdict in ("baseline", "n/a") or not math.isfinite(ratio):
-        return verdict
-    has_ci = math.isfinite(low) and math.isfinite(high) and low > 0
-    if verdict.endswith("slower"):
-        return verdict + (f" [{1 / high:.2f}-{1 / low:.2f}]" if has_ci else "")
-    if verdict.endswith("faster"):
-        return verdict + (f" [{low:.2f}-{high:.2f}]" if has_ci else "")
-    return verdict + (f" [{low:.2f}x-{high:.2f}x]" if has_ci else f" ({ratio:.2f}x)")
+    """``faster: 2.00x [1.98-2.02]``: the verdict and the speed-up (baseline time / this time)
+    with its 95% interval, both from one rule (``stats.Ratio.text``)."""
+    return str(row[f"{prefix}_text"])
+
+
+def repeats_cell(row: pd.Series) -> str:
+    """``3``, or ``2 ok + 1 crashed`` when some repeats failed (they are left out of the timings)."""
+    if not row.failed:
+        return str(row.repeats)
+    return f"{row.ok_repeats} ok + {row.failed}"
 
 
 def _label(key: tuple) -> str:
     return label(key[2], key[3])
 
 
+def convention(baseline: str = "baseline") -> str:
+    """The one convention of every ``vs`` cell, stated once above the tables."""
+    return (f"vs {baseline}: speed-up = {baseline}'s time / this time (>1: faster), with its 95% CI "
+            "(Welch's t on log per-repeat times); 'faster'/'slower' only where the CI leaves 1 out. "
+            "Timings come from ok repeats only.")
+
+
 def _train_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     base = frame["baseline"].iloc[0] or "baseline"
-    head = ["", "backend", "status", "reps", "1st epoch s", "steady s", "95% CI", "samples/s", "val acc",
+    ci_head, mixed = _interval_head(frame, "steady")
+    head = ["", "backend", "status", "repeats", "1st epoch s", "steady s", ci_head, "samples/s", "val acc",
             "parity err", f"vs {base}"]
-    rows = [["*" if r.fastest_train else "", _label(k), r.status, str(r.repeats), _num(r.first_s),
-             _num(r.steady_s), _ci(r.steady_low, r.steady_high), _num(r.samples_per_s, ",.0f"),
+    rows = [["*" if r.fastest_train else "", _label(k), r.status, repeats_cell(r), _num(r.first_s),
+             _num(r.steady_s), _interval(r, "steady", mixed), _num(r.samples_per_s, ",.0f"),
              _num(r.val_accuracy, ".4f"), _num(r.parity_max_abs, ".1e"), vs_cell(r, "train")]
             for k, r in frame.iterrows()]
     return head, rows
@@ -65,9 +86,10 @@ def _train_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
 
 def _infer_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     base = frame["baseline"].iloc[0] or "baseline"
-    head = ["", "backend", "status", "reps", "median s", "spread", "95% CI", f"vs {base}"]
-    rows = [["*" if r.fastest_infer else "", _label(k), r.status, str(r.infer_n), _num(r.infer_s),
-             _spread(r.infer_spread), _ci(r.infer_low, r.infer_high), vs_cell(r, "infer")]
+    ci_head, mixed = _interval_head(frame, "infer")
+    head = ["", "backend", "status", "repeats", "1st pass s", "median s", "spread", ci_head, f"vs {base}"]
+    rows = [["*" if r.fastest_infer else "", _label(k), r.status, repeats_cell(r), _num(r.infer_first_s),
+             _num(r.infer_s), _spread(r.infer_spread), _interval(r, "infer", mixed), vs_cell(r, "infer")]
             for k, r in frame.iterrows()]
     return head, rows
 
@@ -84,8 +106,7 @@ def _fastest_line(frame: pd.DataFrame) -> str:
         else:
             key, row = best.index[0], best.iloc[0]
             verdict = row[f"{prefix}_verdict"]
-            how = ("" if verdict in ("baseline", "n/a") else f", {verdict} than {row['baseline']}"
-                   if verdict.endswith(("faster", "slower")) else f"; vs {row['baseline']}: {verdict}")
+            how = "" if verdict in ("baseline", "n/a") else f"; vs {row['baseline']}: {row[f'{prefix}_text']}"
             parts.append(f"{what} {_label(key)} ({_num(row[col])} s{how})")
         quickest = timed[col].idxmin()
         if timed.loc[quickest, "status"] != "ok":
@@ -95,17 +116,36 @@ def _fastest_line(frame: pd.DataFrame) -> str:
     return line + "".join(f"\nnote: {n}" for n in notes)
 
 
-def _contexts(groups: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+def _what(frame: pd.DataFrame) -> str:
+    """What the experiment is: its definition, or the sizes the rows show."""
+    definition = next((d for d in frame["definition"] if d), "")
+    if definition:
+        return f"definition: {definition}"
+    parts = []
+    train = frame["train_samples"].dropna()
+    if len(train):
+        parts.append(f"{train.max():,.0f} training samples per epoch")
+    infer = frame["infer_samples"].dropna()
+    if len(infer):
+        parts.append(f"{infer.max():,.0f} samples per inference pass")
+    hashes = sorted({h for h in frame["workload_hash"] if h})
+    if hashes:
+        parts.append(f"workload hash {', '.join(hashes)}")
+    return "; ".join(parts)
+
+
+def _contexts(groups: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     out = []
     for ctx, frame in groups.groupby(CONTEXT_KEYS, sort=False):
         base = frame["baseline"].iloc[0]
-        out.append((f"{ctx[0]} on {ctx[1]}" + (f" (baseline: {base})" if base else " (no baseline)"), frame))
+        title = f"{ctx[0]} on {ctx[1]}" + (f" (baseline: {base})" if base else " (no baseline)")
+        out.append((title, _what(frame), frame))
     return out
 
 
 def _aligned(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    left = {1, 2, len(head) - 1}  # names, status and the verdict read left to right
+    left = {1, 2, 3, len(head) - 1}  # names, status, repeats and the verdict read left to right
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) if i in left or i == 0 else c.rjust(w)
@@ -118,18 +158,21 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
-    align = ["---" if i in (1, 2, len(head) - 1) else "--:" for i in range(len(head))]
+    align = ["---" if i in (1, 2, 3, len(head) - 1) else "--:" for i in range(len(head))]
     return "\n".join([line(head), "|" + "|".join(align) + "|"] + [line(r) for r in rows])
 
 
 def _text(groups: pd.DataFrame, table: Callable[[list[str], list[list[str]]], str], markdown: bool) -> str:
-    blocks = []
-    for title, frame in _contexts(groups):
+    blocks = [convention()]
+    for title, what, frame in _contexts(groups):
         parts = [f"### {title}" if markdown else f"== {title} =="]
+        if what:
+            parts.append(what)
+        trains = frame[~frame["inference_only"].astype(bool)]
         timed_infer = frame["infer_s"].notna().any()
-        if frame[["first_s", "steady_s"]].notna().any(axis=None) or not timed_infer:
-            parts += ["**Training**" if markdown else "Training", table(*_train_rows(frame))]
-        if timed_infer:
+        if len(trains) and (trains[["first_s", "steady_s"]].notna().any(axis=None) or not timed_infer):
+            parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains))]
+        if timed_infer or not len(trains):
             parts += ["**Inference**" if markdown else "Inference", table(*_infer_rows(frame))]
         parts.append(_fastest_line(frame))
         blocks.append(("\n\n" if markdown else "\n").join(parts))

@@ -1,0 +1,146 @@
+"""The statistics behind compare's verdicts: one decision rule, intervals that cover what they claim.
+
+Timings here are simulated log-normal samples (a fair model of per-repeat times: positive,
+right-skewed, multiplicative noise). Coverage tests use 2,000 simulated experiments each.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchbackend import stats
+
+SIMULATIONS = 2000
+_TEXT = re.compile(r"^(faster|slower|not significant): ([\d.]+)x \[([\d.]+)-([\d.]+)\]$")
+
+
+def _parse(text: str) -> tuple[str, float, float, float]:
+    m = _TEXT.match(text)
+    assert m, text
+    return m.group(1), float(m.group(2)), float(m.group(3)), float(m.group(4))
+
+
+timings = st.lists(st.floats(min_value=0.05, max_value=50.0, allow_nan=False), min_size=3, max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(base=timings, cand=timings)
+def test_verdict_and_printed_interval_always_agree(base: list[float], cand: list[float]) -> None:
+    """Whatever the timings (3 to 5 repeats a side): "not significant" only beside an interval that
+    holds 1, "faster"/"slower" only beside one that leaves 1 out on the matching side, and the
+    printed speed-up inside its printed interval."""
+    r = stats.compare_times(np.array(base), np.array(cand))
+    assert r is not None
+    if not r.testable:  # no spread at all on either side: no interval, and no verdict claimed
+        assert r.verdict == "too few repeats" and "[" not in r.text
+        return
+    verdict, ratio, low, high = _parse(r.text)
+    assert low <= ratio <= high
+    assert r.low <= r.ratio <= r.high
+    if verdict == "not significant":
+        assert low <= 1 <= high and r.low <= 1 <= r.high
+    elif verdict == "faster":
+        assert low > 1 and r.ratio > 1
+    else:
+        assert high < 1 and r.ratio < 1
+    assert verdict == r.verdict and r.significant == (verdict != "not significant")
+
+
+def test_the_old_contradiction_cannot_happen() -> None:
+    """Issue 8 saw 'not significant [1.04x-1.89x]': an interval excluding 1 called not significant.
+    With one rule an interval excluding 1 is always a verdict in its direction."""
+    base = np.array([1.50, 1.62, 1.41])
+    cand = np.array([1.00, 1.08, 0.95])
+    r = stats.compare_times(base, cand)
+    verdict, ratio, low, high = _parse(r.text)
+    assert (low > 1) == (verdict == "faster")
+    assert verdict == "faster" and 1.4 < ratio < 1.6
+
+
+def test_ratio_is_the_ratio_of_geometric_means() -> None:
+    base, cand = np.array([2.0, 8.0]), np.array([1.0, 1.0])
+    assert stats.compare_times(base, cand).ratio == pytest.approx(4.0)  # sqrt(2*8)/1
+
+
+def test_printed_bounds_keep_their_side_of_one() -> None:
+    """A lower bound of 1.0004 must not print as 1.00 beside 'faster'."""
+    r = stats.Ratio(1.02, 1.0004, 1.04, 0.04, True, True)
+    verdict, ratio, low, high = _parse(r.text)
+    assert verdict == "faster" and low > 1
+
+
+def test_one_repeat_gives_no_interval_and_no_verdict() -> None:
+    r = stats.compare_times(np.array([2.0]), np.array([1.0]))
+    assert r.verdict == "too few repeats" and r.text == "too few repeats: 2.00x"
+    assert stats.compare_times(np.array([]), np.array([1.0])) is None
+
+
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("sigmas", [(0.05, 0.05), (0.03, 0.15)])
+def test_ratio_interval_covers_the_true_ratio(n: int, sigmas: tuple[float, float]) -> None:
+    """The '95% CI' of the speed-up covers the true ratio of geometric means >= 93% of the time
+    (Welch on log-normal timings: about 95%), also with unequal spreads."""
+    rng = np.random.default_rng(n * 100 + int(sigmas[1] * 100))
+    true = 1.7
+    hits = 0
+    for _ in range(SIMULATIONS):
+        base = np.exp(math.log(true) + sigmas[0] * rng.standard_normal(n))
+        cand = np.exp(sigmas[1] * rng.standard_normal(n))
+        r = stats.compare_times(base, cand)
+        hits += r.low <= true <= r.high
+    assert hits / SIMULATIONS >= 0.93
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_false_positive_rate_is_about_five_percent(n: int) -> None:
+    rng = np.random.default_rng(7 + n)
+    flagged = [stats.compare_times(np.exp(0.04 * rng.standard_normal(n)), np.exp(0.04 * rng.standard_normal(n)))
+               .significant for _ in range(SIMULATIONS)]
+    assert 0.02 < np.mean(flagged) < 0.08
+
+
+def test_a_true_2x_difference_is_found_with_3_repeats() -> None:
+    rng = np.random.default_rng(3)
+    found = [stats.compare_times(np.exp(math.log(2) + 0.03 * rng.standard_normal(3)),
+                                 np.exp(0.03 * rng.standard_normal(3))).verdict == "faster" for _ in range(200)]
+    assert np.mean(found) > 0.95
+
+
+def test_order_statistic_ranks() -> None:
+    """[min, max] of n covers the median with probability 1 - 2/2^n: 93.75% at n=5, 96.9% at n=6."""
+    assert [stats.order_statistic_rank(n) for n in (2, 3, 4, 5)] == [None] * 4
+    assert stats.order_statistic_rank(6) == 1 and stats.order_statistic_rank(8) == 1
+    assert stats.order_statistic_rank(9) == 2  # [x2, x8] of 9: 1 - 2*10/512 = 96.1%
+    assert stats.order_statistic_rank(20) == 6
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_few_repeats_show_the_range_not_a_ci(n: int) -> None:
+    values = np.arange(1.0, n + 1)
+    assert stats.median_interval(values) == (1.0, float(n), stats.RANGE_LABEL)
+
+
+@pytest.mark.parametrize("n", [6, 7, 9, 12, 20])
+def test_median_ci_covers_the_true_median(n: int) -> None:
+    """Shown as '95% CI' only from 6 repeats, and there it covers the true median >= 93% (>= 95%
+    in theory, for any continuous distribution)."""
+    rng = np.random.default_rng(n)
+    mu, hits = math.log(3.0), 0
+    for _ in range(SIMULATIONS):
+        low, high, kind = stats.median_interval(np.exp(mu + 0.1 * rng.standard_normal(n)))
+        assert kind == stats.CI_LABEL
+        hits += low <= 3.0 <= high
+    assert hits / SIMULATIONS >= 0.93
+
+
+def test_five_repeats_range_would_not_be_an_honest_95_ci() -> None:
+    """Why n=5 is labelled 'range': its min-max covers the median only ~93.75% of the time."""
+    rng = np.random.default_rng(5)
+    samples = np.exp(0.1 * rng.standard_normal((SIMULATIONS, 5)))
+    covered = np.mean((samples.min(axis=1) <= 1.0) & (1.0 <= samples.max(axis=1)))
+    assert covered < 0.95
