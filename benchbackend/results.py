@@ -28,7 +28,7 @@ BASE_COLUMNS = [
 EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
                  "peak_rss_mb", "steps", "requested_device",
                  # schema 2: the matrix's precision, threads used, data source, inference-only cells
-                 "precision", "threads", "data_source", "inference_only"]
+                 "precision", "threads", "data_source", "inference_only", "definition"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
@@ -78,20 +78,25 @@ def _cell(value: Any) -> str:
 class CsvWriter:
     """Appends rows as they arrive (flushed each time), so nothing measured is lost.
 
-    ``set_status`` rewrites the file atomically when a cell's final verdict is known.
+    The file is created with the first row: a run that fails before measuring anything (missing
+    data, say) leaves no empty CSV behind. ``set_status`` rewrites the file atomically when a
+    cell's final verdict is known. Raises ``OSError`` at once when the folder is not writable.
     """
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.rows: list[dict[str, Any]] = []
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w", newline="") as fh:
-            csv.writer(fh).writerow(COLUMNS)
+        if not os.access(self.path.parent, os.W_OK) or self.path.is_dir():
+            raise PermissionError(13, "Permission denied" if not self.path.is_dir() else "Is a directory")
 
     def write(self, row: dict[str, Any]) -> None:
         full = {c: row.get(c) for c in COLUMNS}
         full["schema_version"] = SCHEMA_VERSION
         self.rows.append(full)
+        if len(self.rows) == 1:
+            with open(self.path, "w", newline="") as fh:
+                csv.writer(fh).writerow(COLUMNS)
         with open(self.path, "a", newline="") as fh:
             csv.writer(fh).writerow([_cell(full[c]) for c in COLUMNS])
             fh.flush()
@@ -108,6 +113,9 @@ class CsvWriter:
 
     def _rewrite(self) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-", suffix=".csv")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # as an ordinary new file, not mkstemp's 0600
         with os.fdopen(fd, "w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(COLUMNS)
