@@ -1,7 +1,9 @@
 """Command line: parse, call the library, map its errors to exit codes.
 
 Exit codes: 0 success; 1 a check failed (or a cell crashed, timed out, was unavailable);
-2 usage or configuration error; 3 ``compare --fail-on-regression`` triggered; 130 Ctrl-C.
+2 usage or configuration error (for ``compare``: also files with no measurements); 3 ``compare
+--fail-on-regression``: a candidate is significantly slower than the baseline by more than the
+factor; 4 ``compare --fail-on-regression``: a candidate is not ok (crashed, NaN loss, ...); 130 Ctrl-C.
 No ML framework is imported here.
 """
 from __future__ import annotations
@@ -155,7 +157,8 @@ def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
         if plots:
             from . import plots as plotting
 
-            made = plotting.write_report(df, csv_path.with_name(csv_path.stem + "-plots"), summary_text=outcome.text)
+            made = plotting.write_report(df, csv_path.with_name(csv_path.stem + "-plots"), summary_text=outcome.text,
+                                         warnings=outcome.warnings)
             if made:
                 click.echo(f"report: {made[-1]}")
     except Exception as exc:  # a convenience after the fact: never lose the run over it
@@ -174,17 +177,29 @@ def list_(no_probe: bool, markdown: bool) -> None:
 
 @main.command()
 @click.argument("paths", nargs=-1, required=True, metavar="CSV_OR_DIR...")
-@click.option("--baseline", help="Backend the others are compared with. Default: first alphabetically.")
+@click.option("--baseline", metavar="BACKEND[:MODE]",
+              help="Backend the others are compared with. Default, per experiment: the first backend in "
+                   "registry order (`benchbackend list`) whose every repeat is ok; the numpy reference only "
+                   "when nothing else is.")
 @click.option("--candidate", multiple=True, help="Backend(s) checked by --fail-on-regression (repeatable).")
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]), default="table",
               show_default=True)
 @click.option("--plots", type=click.Path(file_okay=False), help="Write PNG plots and an index.html to this folder.")
 @click.option("--skip-bad", is_flag=True, help="Skip unreadable or invalid files (with a warning) instead of failing.")
 @click.option("--fail-on-regression", type=click.FloatRange(min=1.0), metavar="FACTOR",
-              help="Exit 3 when a --candidate is slower than the baseline by more than FACTOR.")
+              help="Exit 3 when a --candidate (default: every non-baseline backend) is slower than the baseline "
+                   "by more than FACTOR and significantly so (its 95% CI lies below 1); exit 4 when a "
+                   "candidate is not ok (crashed, NaN loss, ...).")
 def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[str, ...], fmt: str,
             plots: Optional[str], skip_bad: bool, fail_on_regression: Optional[float]) -> None:
     """Compare results: which backend is faster, by how much, whether it is significant, and correct.
+
+    Rows are compared only within one experiment definition (workload hash: model, training, sizes
+    after --limit, epochs, batch, seed; data source; mode; precision). Several definitions of one
+    workload are separate sections, labelled by what differs, e.g. "mnist (limit 1024)".
+    Each "vs BASELINE" cell is the speed-up BASELINE's time / this time (>1: faster) with its 95% CI
+    (Welch's t on log per-repeat times); "faster"/"slower" only where the CI leaves 1 out. Only ok
+    repeats feed the timings.
 
     \b
     Examples:
@@ -200,7 +215,8 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
         if plots is not None and outcome.frame is not None:
             from . import plots as plotting
 
-            made = plotting.write_report(outcome.frame, Path(plots), summary_text=outcome.table_text)
+            made = plotting.write_report(outcome.frame, Path(plots), summary_text=outcome.table_text,
+                                         warnings=outcome.warnings)
             _err(f"report: {made[-1]}")
     except ResultsError as exc:
         raise UsageFailure(str(exc)) from None
