@@ -1,0 +1,36 @@
+"""A backend registered only by the Ray tests: the NumPy reference whose worker, once, kills the
+process that started it (the Ray worker running the task) in its second epoch, as a lost node would.
+
+``KILLER_MARK`` names a file: the first worker to reach its second epoch writes it and kills;
+every later worker finds it and trains normally. ``KILLER_GRACE`` seconds pass before the kill so
+that the first epoch's row has reached the driver (a real fault strikes long after it).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchbackend.backends.reference import NumpyBackend
+
+
+class KillerNumpyBackend(NumpyBackend):
+    name = "killer"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.epochs = 0
+
+    def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
+        self.epochs += 1
+        mark = Path(os.environ["KILLER_MARK"])
+        if self.epochs == 2 and not mark.exists():
+            mark.write_text(str(os.getppid()))
+            time.sleep(float(os.environ.get("KILLER_GRACE", "2")))
+            os.kill(os.getppid(), signal.SIGKILL)
+            os._exit(1)
+        return super().train_epoch(order)

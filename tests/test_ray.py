@@ -1,0 +1,131 @@
+"""The Ray executor on a local one-node cluster: same rows as the local executor, faults cost one cell."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchbackend import backends, results, runner
+from benchbackend import plan as planning
+from benchbackend import workload
+from benchbackend.backends import BackendSpec, Mode
+from benchbackend.executors.local import LocalExecutor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                                    reason="Ray is not installed (pip install 'benchbackend[ray]')")]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local cluster for the module (starting Ray costs seconds); executors find it running."""
+    import ray
+
+    from benchbackend.executors.ray import local_resources
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
+             resources=local_resources())
+    yield ray
+    ray.shutdown()
+
+
+def _plan(tmp_path: Path, name: str, backend: str = "numpy", limit: int = 256, epochs: int = 1, repeats: int = 2,
+          device: str = "cpu") -> planning.RunPlan:
+    w = workload.load("mnist").with_overrides(limit=limit, epochs=epochs)
+    return planning.RunPlan(workloads=[w], choices=planning.resolve([backend], [], []), repeats=repeats,
+                            device=device, data_source="synthetic", output=tmp_path / f"{name}.csv")
+
+
+def _ray_executor(**kwargs):
+    from benchbackend.executors.ray import RayExecutor
+
+    return RayExecutor(**kwargs)
+
+
+COMPARED = ["repeat", "phase", "epoch", "samples", "status", "loss", "accuracy", "val_loss", "val_accuracy",
+            "parity_max_abs", "parity_max_rel", "params", "backend", "mode", "precision", "threads"]
+
+
+def test_ray_rows_match_the_local_executor_but_for_timings_and_hosts(cluster, tmp_path):
+    local = runner.Runner(_plan(tmp_path, "local"), LocalExecutor()).run()
+    remote = runner.Runner(_plan(tmp_path, "ray"), _ray_executor()).run()
+    assert [(c.repeat, c.status) for c in remote] == [(c.repeat, c.status) for c in local]
+    a, b = results.read(tmp_path / "local.csv"), results.read(tmp_path / "ray.csv")
+    key = ["repeat", "phase", "epoch"]
+    a, b = a.sort_values(key).reset_index(drop=True), b.sort_values(key).reset_index(drop=True)
+    assert len(a) == len(b) and (a.phase == "train_epoch").sum() == 2
+    assert a[COMPARED].equals(b[COMPARED])  # identical losses and accuracies, not merely close
+    assert set(b["host"]) == {cluster.nodes()[0]["NodeManagerHostname"]}  # the node that measured them
+
+
+def test_a_worker_killed_mid_cell_costs_that_cell_only(cluster, tmp_path, monkeypatch):
+    mark = tmp_path / "killed"
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
+    spec = BackendSpec("killer", "support.killer_backend:KillerNumpyBackend", "numpy", "numpy", "(test only)",
+                       "the NumPy reference; its first worker kills its Ray worker in epoch 2",
+                       modes=(Mode("reference", "NumPy, batch by batch"),),
+                       env=lambda device: {"KILLER_MARK": str(mark), "PYTHONPATH": path})
+    monkeypatch.setitem(backends.BACKENDS, "killer", spec)
+    # 32 SGD steps over 2 epochs: enough for the surviving repeat to clear the chance check.
+    cells = runner.Runner(_plan(tmp_path, "fault", "killer", limit=512, epochs=2), _ray_executor()).run()
+    assert mark.exists()  # the fault did strike
+    assert [(c.repeat, c.status) for c in cells] == [(1, "crashed"), (2, "ok")]
+    assert "Ray" in cells[0].message and "WorkerCrashedError" in cells[0].message
+    df = results.read(tmp_path / "fault.csv")
+    first = df[df.repeat == 1]
+    assert first[first.phase == "train_epoch"]["epoch"].tolist() == [1]  # streamed before the kill: kept
+    assert set(first["status"]) == {"crashed"}
+    assert df[(df.repeat == 2) & (df.phase == "train_epoch")]["epoch"].tolist() == [1, 2]
+
+
+def test_a_group_no_node_can_take_is_unavailable_and_says_why(cluster, tmp_path, monkeypatch):
+    # The interpreter makes the driver's install check pass; only the cluster lacks the env.
+    spec = BackendSpec("ghost", "benchbackend.backends.reference:NumpyBackend", "numpy", "numpy", "(test only)",
+                       "the NumPy reference in an isolated env no node has",
+                       modes=(Mode("reference", "NumPy, batch by batch"),), isolated_env="ghost",
+                       python=sys.executable)
+    monkeypatch.setitem(backends.BACKENDS, "ghost", spec)
+    plan = _plan(tmp_path, "ghost", "ghost")
+    plan.choices += planning.resolve(["numpy"], [], [])
+    plan.repeats = 1
+    cells = runner.Runner(plan, _ray_executor()).run()
+    ghost, numpy = cells
+    assert (ghost.backend, ghost.status) == ("ghost", "unavailable")
+    assert "benchbackend-env-ghost" in ghost.message and "ray start --resources" in ghost.message
+    df = results.read(tmp_path / "ghost.csv")
+    assert df[df.backend == "ghost"]["status"].tolist() == ["unavailable"]
+    assert numpy.backend == "numpy" and numpy.status not in ("unavailable", "crashed")  # the other group ran
+    assert (df[df.backend == "numpy"].phase == "train_epoch").sum() == 1
+
+
+def test_gpu_cells_on_a_cluster_without_gpus_are_unavailable(cluster, tmp_path):
+    cells = runner.Runner(_plan(tmp_path, "gpu", device="gpu"), _ray_executor()).run()
+    assert [c.status for c in cells] == ["unavailable"]
+    assert "GPU" in cells[0].message
+
+
+def test_an_unreachable_address_is_one_line_cluster_error(tmp_path):
+    from benchbackend.errors import BenchError
+    from benchbackend.executors.ray import ClusterError
+
+    for address, says in [("127.0.0.1:1", "cannot reach the Ray cluster at 127.0.0.1:1"),
+                          ("no-port-here", "expected HOST:PORT")]:
+        with pytest.raises(ClusterError) as info:
+            _ray_executor(address=address).connect()
+        assert says in str(info.value) and "\n" not in str(info.value)
+        assert isinstance(info.value, BenchError)
+
+
+def test_cells_per_node_shares_a_node_cpus():
+    from benchbackend.executors.ray import RayExecutor, _Session
+
+    node = {"Resources": {"CPU": 16.0}}
+    share = {n: _Session(RayExecutor(cells_per_node=n), runner=None)._cpus(node) for n in (None, 1, 3, 32)}
+    assert share == {None: 16.0, 1: 16.0, 3: 5.0, 32: 0.5}
+    with pytest.raises(ValueError):
+        RayExecutor(cells_per_node=0)
