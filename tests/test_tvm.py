@@ -1,0 +1,150 @@
+"""Apache TVM backend (inference only): forward parity in both modes, the cached tuning database,
+and a parity check that fails when the kernels are laid out wrongly.
+
+Tuning uses a tiny trial budget and a per-session cache folder, so the search runs once per session.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from benchbackend import checks, data
+from benchbackend import workload as W
+from benchbackend.worker import run_job
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tvm") is None,
+    reason="Apache TVM is not installed (pip install apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post1 "
+           "psutil cloudpickle xgboost-cpu)")
+
+TARGET = "benchbackend.backends.tvm:TVMBackend"
+TRIALS = 8  # one measured trial per task (7 tasks on mnist): enough to exercise the search
+
+
+def _arrays(tmp: Path, w: W.Workload) -> str:
+    ds = data.load(w, "synthetic", None)
+    orders = data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed)
+    path = tmp / f"{w.name}.npz"
+    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val,
+             x_test=ds.x_test, y_test=ds.y_test, orders=orders)
+    return str(path)
+
+
+def _run(tmp: Path, name: str, mode: str, limit: int = 256, **options: Any) -> list[dict[str, Any]]:
+    w = W.load(name).with_overrides(limit=limit, epochs=1)
+    rows: list[dict[str, Any]] = []
+    run_job({"workload": w.to_dict(), "backend": "tvm", "target": TARGET, "mode": mode, "precision": "fp32",
+             "device": "cpu", "repeat": 0, "data": _arrays(tmp, w), "trains": False, "parity_steps": 0,
+             "options": options}, rows.append)
+    return rows
+
+
+def _phase(rows: list[dict[str, Any]], phase: str) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("type") == "row" and r["phase"] == phase]
+
+
+def _assert_parity(rows: list[dict[str, Any]], name: str) -> None:
+    assert not [r for r in rows if r["type"] in ("error", "unavailable")], rows
+    (parity,) = _phase(rows, "parity")
+    tol = W.load(name).checks.tolerance("fp32")
+    assert checks.parity_mismatch(parity["parity_max_abs"], parity["parity_max_rel"], tol.rtol, tol.atol) is None, parity
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("tvm-cache")
+    with mock.patch.dict(os.environ, {"BENCHBACKEND_CACHE": str(root)}):
+        yield root
+
+
+@pytest.fixture(scope="module")
+def tuned_rows(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run(tmp_path_factory.mktemp("tuned"), "mnist", "tuned", tune_trials=TRIALS)
+
+
+@pytest.mark.parametrize("name", ["mnist", "cifar10"])
+def test_default_mode_matches_the_reference(tmp_path: Path, name: str) -> None:
+    rows = _run(tmp_path, name, "default")
+    _assert_parity(rows, name)
+    (build,) = _phase(rows, "build")
+    assert "target llvm -mcpu=" in build["message"] and "-num-cores=" in build["message"]
+    assert not _phase(rows, "tune"), "default mode searches nothing"
+    inference = _phase(rows, "inference")
+    n_test = len(np.load(tmp_path / f"{name}.npz")["y_test"])
+    assert inference and all(r["samples"] == n_test and r["seconds"] > 0 for r in inference)
+
+
+def test_scores_drop_the_padding_of_a_short_last_batch() -> None:
+    from benchbackend.backends import reference
+    from benchbackend.backends.tvm import TVMBackend
+    from benchbackend.model import initial_weights
+
+    w = W.load("mnist").with_overrides(limit=64)
+    weights = initial_weights(w)
+    backend = TVMBackend(w, "cpu", "default", options={"threads": 1})
+    backend.build(weights)
+    x = np.random.default_rng(1).random((45, *w.input_shape), dtype=np.float32)  # 32 + 13
+    out = backend.to_host(backend.scores(backend.to_device(x), 1024))
+    ref = reference.forward(w, weights, x.astype(np.float64), dtype=np.float64)
+    assert out.shape == (45, w.num_classes)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_a_wrong_kernel_layout_fails_parity(tmp_path: Path) -> None:
+    from benchbackend.backends import tvm as tvm_backend
+
+    real = tvm_backend.device_params
+
+    def swapped_hw(weights: Any, dev: Any) -> list[Any]:  # HWIO read as WHIO: same shape, wrong numbers
+        return real([np.swapaxes(k, 0, 1) if k.ndim == 4 else k for k in weights], dev)
+
+    with mock.patch.object(tvm_backend, "device_params", swapped_hw):
+        rows = _run(tmp_path, "mnist", "default")
+    (parity,) = _phase(rows, "parity")
+    tol = W.load("mnist").checks.tolerance("fp32")
+    assert checks.parity_mismatch(parity["parity_max_abs"], parity["parity_max_rel"], tol.rtol, tol.atol)
+
+
+def test_gpu_is_unavailable() -> None:
+    from benchbackend.backends.tvm import TVMBackend
+    from benchbackend.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="host CPU"):
+        TVMBackend(W.load("mnist"), "gpu", "default")
+
+
+def test_tuned_mode_searches_writes_the_database_and_matches_the_reference(tuned_rows: list[dict[str, Any]],
+                                                                          cache: Path) -> None:
+    _assert_parity(tuned_rows, "mnist")
+    (tune,) = _phase(tuned_rows, "tune")
+    assert tune["message"].startswith(f"searched {TRIALS} trials over ") and tune["seconds"] > 0
+    (folder,) = (cache / "tvm").iterdir()
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["trials"] == TRIALS and summary["records"] > 0
+    records = (folder / "records.json").read_text().splitlines()
+    assert len(records) == summary["records"]
+    assert not list((cache / "tvm").glob("*.*")), "no scratch folder is left behind"
+
+
+def test_a_second_tune_reuses_the_database(tuned_rows: list[dict[str, Any]], cache: Path) -> None:
+    from benchbackend.backends.tvm import TVMBackend
+    from benchbackend.model import initial_weights
+
+    (folder,) = (cache / "tvm").iterdir()
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    w = W.load("mnist").with_overrides(limit=256, epochs=1)
+    backend = TVMBackend(w, "cpu", "tuned", options={"tune_trials": TRIALS})
+    backend.build(initial_weights(w))
+    assert backend.database_dir(TRIALS) == folder
+    summary = backend.tune()
+    assert summary is not None and summary.startswith(f"reused database {folder}")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    # Another budget is another database.
+    assert backend.database_dir(TRIALS * 2) != folder
