@@ -107,6 +107,18 @@ def diverged(losses: Sequence[Optional[float]], factor: float) -> Optional[str]:
     return None
 
 
+def time_to_accuracy(rows: Sequence[dict[str, Any]], target: float) -> float:
+    """Training seconds (the sum of epoch times) at which the validation accuracy first reached
+    ``target``; ``inf`` when it never did (DAWNBench's metric: speed that counts only when right)."""
+    elapsed = 0.0
+    for r in sorted((r for r in rows if r.get("phase") == "train_epoch"), key=lambda r: r.get("epoch") or 0):
+        elapsed += float(r.get("seconds") or 0.0)
+        acc = r.get("val_accuracy")
+        if acc is not None and math.isfinite(acc) and acc >= target:
+            return elapsed
+    return math.inf
+
+
 def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = "fp32") -> tuple[str, str]:
     """Final (status, message) of one cell from its worker rows (runner-level statuses aside).
 

@@ -64,6 +64,10 @@ def main() -> None:
                                       "generated, learnable, offline; auto: real if present.")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), envvar="BENCHBACKEND_DATA",
               help="Where data files live [env: BENCHBACKEND_DATA; default: ~/.cache/benchbackend/data].")
+@click.option("--batch-size", "batch_sizes", multiple=True, type=click.IntRange(1), metavar="N",
+              help="Training and inference batch size (repeatable: a sweep, each size its own experiment).")
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True),
+              help="Peak of this device for MFU, instead of each framework's GEMM probe (cached per host/CPU).")
 @click.option("--threads", type=click.IntRange(1), help="Intra-op threads for every backend (OpenMP/MKL too). "
                                                          "Default: all cores. Recorded in the `threads` column.")
 @click.option("--inference-only", is_flag=True, help="Skip training: build, shared weights, parity, inference passes.")
@@ -79,7 +83,7 @@ def main() -> None:
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write plots next to the CSV.")
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
         device: str, repeats: int, epochs: Optional[int], limit: Optional[int], seed: Optional[int], data_source: str,
-        data_dir: Optional[Path], threads: Optional[int], inference_only: bool, steps_per_execution: int,
+        data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int], inference_only: bool, steps_per_execution: int,
         tune_trials: int, timeout: Optional[float], parity_steps: int, output: Optional[Path], plots: bool) -> None:
     """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend, mode and precision.
 
@@ -88,13 +92,15 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run mnist --backend torch --data synthetic
       benchbackend run cifar10 mnist -b torch -b tensorflow --repeats 3 --epochs 2 --limit 2000 --data synthetic
       benchbackend run cifar10 -b torch --mode torch:eager --precision fp32 --precision bf16
+      benchbackend run cifar10 -b torch -b tensorflow --batch-size 32 --batch-size 128
       benchbackend run path/to/my_workload.yaml -b tensorflow
     """
     from . import plan as planning
     from . import results, runner, workload
 
     try:
-        loaded = [workload.load(w).with_overrides(epochs=epochs, limit=limit, seed=seed) for w in workloads]
+        loaded = [workload.load(w).with_overrides(epochs=epochs, limit=limit, seed=seed, batch_size=b)
+                  for w in workloads for b in (list(dict.fromkeys(batch_sizes)) or [None])]
         from .model import describe
 
         for w in loaded:
@@ -109,7 +115,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     except (WorkloadError, BackendUnavailable) as exc:
         raise UsageFailure(str(exc)) from None
     out = output or results.default_path([w.name for w in loaded])
-    options = {"threads": threads, "steps_per_execution": steps_per_execution, "tune_trials": tune_trials}
+    options = {"threads": threads, "steps_per_execution": steps_per_execution, "tune_trials": tune_trials,
+               "peak_tflops": peak_tflops}
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats, timeout=timeout,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
                             inference_only=inference_only, options=options, output=out)

@@ -28,7 +28,11 @@ BASE_COLUMNS = [
 EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
                  "peak_rss_mb", "steps", "requested_device",
                  # schema 2: the matrix's precision, threads used, data source, inference-only cells
-                 "precision", "threads", "data_source", "inference_only", "definition"]
+                 "precision", "threads", "data_source", "inference_only", "definition",
+                 # MFU: achieved FLOP/s (training: 3x the forward FLOPs per sample) over the peak
+                 "achieved_flops", "mfu", "peak_flops", "peak_source",
+                 # cell-level: training seconds until checks.target_accuracy (inf: not reached)
+                 "time_to_accuracy_s"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
@@ -38,7 +42,7 @@ STATUSES = ("ok", "parity_mismatch", "chance_accuracy", "diverged", "nan_loss", 
             "interrupted", "crashed", "pending")
 NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy", "val_loss",
            "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
-           "peak_rss_mb", "steps", "threads"]
+           "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s"]
 
 
 def worst_status(statuses: Iterable[str]) -> str:
@@ -101,12 +105,14 @@ class CsvWriter:
             csv.writer(fh).writerow([_cell(full[c]) for c in COLUMNS])
             fh.flush()
 
-    def set_status(self, match: dict[str, Any], status: str) -> None:
-        """Give every row matching ``match`` (e.g. one cell) the cell's final status."""
+    def set_status(self, match: dict[str, Any], status: str, **values: Any) -> None:
+        """Give every row matching ``match`` (e.g. one cell) the cell's final status (and ``values``,
+        cell-level columns such as ``time_to_accuracy_s``)."""
         changed = False
+        update = {"status": status, **values}
         for row in self.rows:
-            if all(row.get(k) == v for k, v in match.items()) and row["status"] != status:
-                row["status"] = status
+            if all(row.get(k) == v for k, v in match.items()) and any(row.get(k) != v for k, v in update.items()):
+                row.update(update)
                 changed = True
         if changed:
             self._rewrite()

@@ -37,6 +37,7 @@ class CellResult:
     precision: str
     device: str
     repeat: int
+    batch: str = ""  # "b128" in a --batch-size sweep
     status: str = PENDING
     message: str = ""
     epoch_seconds: list[float] = field(default_factory=list)
@@ -53,7 +54,7 @@ class CellResult:
         acc = f"val_acc {self.val_accuracy:.3f}" if self.val_accuracy is not None else "val_acc n/a"
         passes = self.inference_seconds[1:] or self.inference_seconds
         inf = f"infer {np.median(passes):.3f}s" if passes else "infer n/a"
-        head = f"{self.workload:<10} {self.label:<28} {self.device:<8} r{self.repeat}"
+        head = f"{(self.workload + ' ' + self.batch).strip():<10} {self.label:<28} {self.device:<8} r{self.repeat}"
         tail = f"  {self.message}" if self.message and self.status != "ok" else ""
         return f"{head}  {self.status:<16} {epoch}  {acc}  {inf}{tail}"
 
@@ -168,10 +169,11 @@ class Runner:
         return python_for(spec), worker_environ(spec, self.plan.device, self.plan.options.get("threads"))
 
     def start(self, group: Group, repeat: int) -> "CellState":
-        c = group.choice
-        cell = CellResult(group.workload.name, c.backend, c.mode, c.precision, self.plan.device, repeat)
-        tag = f"[{cell.workload}/{c.backend}:{c.mode}/{c.precision} r{repeat}/{group.repeats}]"
-        w = group.workload
+        c, w = group.choice, group.workload
+        sweep = len({x.training.batch_size for x in self.plan.workloads if x.name == w.name}) > 1
+        batch = f"b{w.training.batch_size}" if sweep else ""
+        cell = CellResult(w.name, c.backend, c.mode, c.precision, self.plan.device, repeat, batch)
+        tag = f"[{(cell.workload + ' ' + batch).strip()}/{c.backend}:{c.mode}/{c.precision} r{repeat}/{group.repeats}]"
         base = {"run_id": self.run_id, "workload": w.name, "workload_hash": w.hash(), "backend": c.backend,
                 "mode": c.mode, "precision": c.precision, "device": self.plan.device, "repeat": repeat,
                 **self.env, "flops_per_sample": model.flops_per_sample(w), "params": model.param_count(w),
@@ -185,13 +187,17 @@ class Runner:
         kind = msg.get("type")
         if kind == "info":
             info = {k: msg[k] for k in ("backend_version", "device", "mode", "precision", "gpu", "python", "threads",
-                                        "host", "os", "cpu") if msg.get(k) not in (None, "")}
+                                        "host", "os", "cpu", "peak_flops", "peak_source") if msg.get(k) not in (None, "")}
             state.base.update(info)
             state.cell.device = state.base["device"]
-            self.progress(f"{state.tag} {state.cell.backend} {msg.get('backend_version')} on {state.cell.device} "
-                          f"({msg.get('mode')}, {msg.get('precision')}, {msg.get('threads')} threads)")
+            if "peak_flops" in msg:
+                self.progress(f"{state.tag} peak {msg['peak_flops'] / 1e12:.3g} TFLOP/s ({msg.get('peak_source')})")
+            else:
+                self.progress(f"{state.tag} {state.cell.backend} {msg.get('backend_version')} on {state.cell.device} "
+                              f"({msg.get('mode')}, {msg.get('precision')}, {msg.get('threads')} threads)")
         elif kind == "row":
             row = checks.trajectory(msg, state.group.workload) if msg.get("losses") is not None else msg
+            row = {**row, **self._mfu(row, state)}
             state.rows.append(self._write(state.base, row))
             self._progress_row(row, state)
 
@@ -203,8 +209,16 @@ class Runner:
         else:
             cell.status, cell.message = outcome.status, outcome.message
             self._write(state.base, {"phase": "run", "epoch": 0, "message": outcome.message})
-        self.writer.set_status({"run_id": self.run_id, "workload": cell.workload, "backend": cell.backend,
-                                "mode": cell.mode, "precision": cell.precision, "repeat": cell.repeat}, cell.status)
+        values = {}
+        target = state.group.workload.checks.target_accuracy
+        if target is not None:
+            values["time_to_accuracy_s"] = checks.time_to_accuracy(state.rows, target)
+            reached = values["time_to_accuracy_s"]
+            self.progress(f"{state.tag} time to accuracy {target:g}: "
+                          + (f"{reached:.2f}s of training" if reached != float("inf") else "not reached"))
+        self.writer.set_status({"run_id": self.run_id, "workload": cell.workload, "workload_hash": state.base[
+            "workload_hash"], "backend": cell.backend, "mode": cell.mode, "precision": cell.precision,
+            "repeat": cell.repeat}, cell.status, **values)
         self.cells.append(cell)
         if cell.status != "ok":
             self.progress(f"{state.tag} {cell.status}: {cell.message}")
@@ -217,6 +231,17 @@ class Runner:
         self.progress(f"{state.tag} still running ({seconds:.0f}s)")
 
     # --- rows -------------------------------------------------------------------------------
+    @staticmethod
+    def _mfu(row: dict[str, Any], state: "CellState") -> dict[str, Any]:
+        """achieved_flops (a training sample costs 3x its forward FLOPs: forward, two backward
+        products) and mfu, the fraction of the measured peak, for a timed row."""
+        phase, rate = row.get("phase"), row.get("samples_per_s")
+        if phase not in ("train_epoch", "inference") or not rate:
+            return {}
+        achieved = (3 if phase == "train_epoch" else 1) * state.base["flops_per_sample"] * rate
+        peak = state.base.get("peak_flops")
+        return {"achieved_flops": achieved, "mfu": achieved / peak if peak else None}
+
     def _write(self, base: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
         full = {**base, **{k: v for k, v in row.items() if k != "type"}, "status": PENDING}
         full["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -139,6 +139,9 @@ class ChecksSpec(_Strict):
                                    description="--parity-steps: relative loss difference allowed per step")
     divergence_factor: float = Field(default=1e3, gt=1.0,
                                      description="a finite loss this many times the first epoch's is `diverged`")
+    target_accuracy: Optional[float] = Field(default=None, gt=0.0, le=1.0,
+                                             description="record time_to_accuracy_s: training time until the "
+                                                         "validation accuracy first reaches this")
 
     def tolerance(self, precision: str) -> Tolerance:
         """The forward-parity tolerance for ``precision``."""
@@ -181,15 +184,22 @@ class Workload(_Strict):
         return hashlib.sha256(blob).hexdigest()[:12]
 
     def with_overrides(self, *, epochs: Optional[int] = None, limit: Optional[int] = None,
-                       seed: Optional[int] = None) -> "Workload":
+                       seed: Optional[int] = None, batch_size: Optional[int] = None) -> "Workload":
         """A copy with command-line overrides applied.
 
         ``limit`` caps the training samples; validation and test shrink in proportion
         (never below 256, or the full size if smaller, so the chance check has samples to judge), so a smoke run stays a smoke run.
+        ``batch_size`` sets both the training and the inference batch size.
         """
         upd: dict[str, Any] = {}
+        training: dict[str, Any] = {}
         if epochs is not None:
-            upd["training"] = self.training.model_copy(update={"epochs": epochs})
+            training["epochs"] = epochs
+        if batch_size is not None:
+            training["batch_size"] = batch_size
+            upd["inference"] = self.inference.model_copy(update={"batch_size": batch_size})
+        if training:
+            upd["training"] = self.training.model_copy(update=training)
         if seed is not None:
             upd["seed"] = seed
         if limit is not None and limit < self.data.train:
