@@ -129,3 +129,11 @@ def test_cells_per_node_shares_a_node_cpus():
     assert share == {None: 16.0, 1: 16.0, 3: 5.0, 32: 0.5}
     with pytest.raises(ValueError):
         RayExecutor(cells_per_node=0)
+
+
+def test_timeout_applies_per_cell_on_the_node(cluster, tmp_path):
+    plan = _plan(tmp_path, "timeout", repeats=2)
+    plan.timeout = 0.5  # less than a worker takes to start
+    cells = runner.Runner(plan, _ray_executor()).run()
+    assert [(c.repeat, c.status) for c in cells] == [(1, "timeout"), (2, "timeout")]
+    assert "--timeout 0.5s" in cells[0].message

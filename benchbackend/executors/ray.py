@@ -365,19 +365,23 @@ def _stream_worker(python: str, env: Mapping[str, str], job: dict[str, Any],
     """
     events: "queue.Queue[tuple[str, Any]]" = queue.Queue()
     stop = threading.Event()
-    last_wait = [0.0]
+    heard = [time.monotonic()]  # when the driver last heard of this cell
+
+    def on_message(msg: dict[str, Any]) -> None:
+        heard[0] = time.monotonic()
+        events.put(("message", msg))
 
     def on_wait(seconds: float) -> None:
         if stop.is_set():
             raise _Stop()
-        if seconds - last_wait[0] >= HEARTBEAT_S:
-            last_wait[0] = seconds
+        if time.monotonic() - heard[0] >= HEARTBEAT_S:  # as locally: after each HEARTBEAT_S of silence
+            heard[0] = time.monotonic()
             events.put(("wait", seconds))
 
     def target() -> None:
         try:
-            outcome = run_worker(python, env, job, on_message=lambda m: events.put(("message", m)),
-                                 timeout=timeout, on_wait=on_wait, heartbeat_s=1.0)
+            outcome = run_worker(python, env, job, on_message=on_message, timeout=timeout, on_wait=on_wait,
+                                 heartbeat_s=1.0)
         except _Stop:
             outcome = Outcome("interrupted", "cancelled")
         except BaseException as exc:  # the launcher's own failure: the cell's, not the task's
