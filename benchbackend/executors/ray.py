@@ -87,6 +87,9 @@ class RayExecutor:
     """Runs groups as Ray tasks; see the module docstring. ``address=None`` starts a local cluster."""
 
     name = "ray"
+    #: Cells run on the cluster's nodes: what is installed on the driver says nothing about them
+    #: (a node without the backend answers with an ``unavailable`` row from its worker).
+    remote = True
 
     def __init__(self, address: Optional[str] = None, cells_per_node: Optional[int] = None,
                  allow_mixed_hosts: bool = False, num_cpus: Optional[int] = None):
