@@ -1,0 +1,327 @@
+"""JAX adapter: the spec's layers in ``jax.lax``/``jax.numpy``, Keras' optimizers written out, XLA-compiled steps.
+
+No flax and no optax. The network is a fold over the spec with the canonical weights as they
+are (``lax.conv_general_dilated`` takes NHWC x HWIO natively, and flattening NHWC needs no row
+permutation), so a layer library would add a second layout to convert to and nothing else.
+optax's Adam adds epsilon to the *bias-corrected* sqrt(v) and Keras' to the raw one; matching it
+would take a per-step epsilon, so the three Keras update rules are written out (``_update``).
+
+Modes:
+
+- ``jit``: one jitted train step per batch (one host dispatch per step);
+- ``scan``: ``lax.scan`` runs K = ``options["steps_per_execution"]`` steps per dispatch (the
+  analogue of Keras' ``steps_per_execution``, one of the two reasons a TPU is fast). The full
+  batches left after the last whole block and the final short batch go through the same jitted
+  step as ``jit``, so both modes train on the same batches with the same updates and the same
+  dropout keys (``fold_in(key, global step)``).
+
+``bf16`` keeps fp32 parameters and optimizer state; the forward pass casts parameters and inputs
+to bfloat16 inside the step, and the loss and the update are fp32.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..errors import BackendUnavailable
+from ..model import describe, same_pads
+from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from .base import Backend
+
+_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+_INSTALL = {"gpu": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]' (on a Cloud TPU VM)"}
+DEFAULT_STEPS_PER_EXECUTION = 32
+
+Params = list[jax.Array]
+Forward = Callable[[Params, jax.Array, Optional[jax.Array]], jax.Array]
+
+
+def _activate(x: jax.Array, fn: str) -> jax.Array:
+    if fn == "relu":
+        return jax.nn.relu(x)
+    if fn == "tanh":
+        return jnp.tanh(x)
+    if fn == "sigmoid":
+        return jax.nn.sigmoid(x)
+    if fn == "softmax":
+        return jax.nn.softmax(x, axis=-1)
+    return x
+
+
+def make_forward(workload: Workload) -> Forward:
+    """``logits(params, x, key)``: scores before the final softmax; ``key=None`` turns dropout off."""
+    plan = []
+    last = len(workload.model) - 1
+    for i, (layer, info) in enumerate(zip(workload.model, describe(workload))):
+        fn = getattr(layer, "activation", getattr(layer, "function", "none"))
+        plan.append((layer, info, "none" if i == last and fn == "softmax" else fn))
+
+    def logits(params: Params, x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
+        k = 0
+        for i, (layer, info, fn) in enumerate(plan):
+            if isinstance(layer, Conv2D):
+                if layer.padding == "same":  # TF 'same': the odd pixel goes after
+                    pad: Any = [same_pads(info.in_shape[0], layer.kernel_size, layer.stride),
+                                same_pads(info.in_shape[1], layer.kernel_size, layer.stride)]
+                else:
+                    pad = "VALID"
+                x = lax.conv_general_dilated(x, params[k], (layer.stride, layer.stride), pad,
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC")) + params[k + 1]
+                k += 2
+            elif isinstance(layer, Dense):
+                x = x @ params[k] + params[k + 1]
+                k += 2
+            elif isinstance(layer, MaxPool2D):
+                s = layer.stride or layer.pool_size
+                x = lax.reduce_window(x, -jnp.inf, lax.max, (1, layer.pool_size, layer.pool_size, 1),
+                                      (1, s, s, 1), "VALID")
+            elif isinstance(layer, Dropout):
+                if key is not None and layer.rate > 0:  # inverted dropout, as Keras
+                    keep = jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - layer.rate, x.shape)
+                    x = jnp.where(keep, x / (1.0 - layer.rate), jnp.zeros_like(x))
+            elif isinstance(layer, Flatten):
+                x = x.reshape(x.shape[0], -1)  # NHWC order: the canonical dense rows
+            elif not isinstance(layer, ActivationLayer):
+                raise TypeError(f"unknown layer {layer!r}")
+            x = _activate(x, fn)
+        return x
+
+    return logits
+
+
+# --- Keras 3 optimizers (update rules and defaults of keras.optimizers.SGD / Adam / RMSprop) -----
+def _init_state(optimizer: str, momentum: float, params: Params) -> dict[str, Any]:
+    zeros = lambda: [jnp.zeros_like(p) for p in params]  # noqa: E731
+    if optimizer == "adam":
+        return {"t": jnp.zeros((), jnp.int32), "m": zeros(), "v": zeros()}
+    if optimizer == "rmsprop":
+        return {"v": zeros()}
+    return {"v": zeros()} if momentum else {}
+
+
+def _update(optimizer: str, lr: float, momentum: float, params: Params, grads: Params,
+            state: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+    if optimizer == "adam":
+        b1, b2, eps = 0.9, 0.999, 1e-7
+        t = state["t"] + 1
+        tf = t.astype(jnp.float32)
+        # Keras: epsilon is added to sqrt(v) before the bias correction, which goes into the step size.
+        # 1 - b^t as -expm1(t log b), log b taken in float64: 1 - 0.999**t in float32 is off by 1e-5
+        # at t=1, which 20 Adam steps amplify past the trajectory check's tolerance.
+        alpha = lr * jnp.sqrt(-jnp.expm1(tf * math.log(b2))) / -jnp.expm1(tf * math.log(b1))
+        m = [m + (g - m) * (1 - b1) for m, g in zip(state["m"], grads)]
+        v = [v + (g * g - v) * (1 - b2) for v, g in zip(state["v"], grads)]
+        new = [p - alpha * mi / (jnp.sqrt(vi) + eps) for p, mi, vi in zip(params, m, v)]
+        return new, {"t": t, "m": m, "v": v}
+    if optimizer == "rmsprop":
+        rho, eps = 0.9, 1e-7
+        v = [rho * v + (1 - rho) * g * g for v, g in zip(state["v"], grads)]
+        # Keras puts epsilon inside the square root.
+        return [p - lr * g / jnp.sqrt(vi + eps) for p, g, vi in zip(params, grads, v)], {"v": v}
+    if momentum:
+        v = [momentum * v - lr * g for v, g in zip(state["v"], grads)]
+        return [p + vi for p, vi in zip(params, v)], {"v": v}
+    return [p - lr * g for p, g in zip(params, grads)], state
+
+
+def _split(n: int, batch: int, k: int) -> tuple[int, int, int]:
+    """(whole blocks of k full batches, full batches after them, size of the last short batch)."""
+    full = n // batch
+    blocks = full // k if k > 1 else 0
+    return blocks, full - blocks * k, n - full * batch
+
+
+class JaxBackend(Backend):
+    name = "jax"
+
+    def __init__(self, workload: Workload, device: str, mode: str = "jit", precision: str = "fp32",
+                 options: Optional[dict[str, Any]] = None):
+        super().__init__(workload, device, mode, precision, options)
+        platform = _PLATFORMS.get(device)
+        if platform is None:
+            raise BackendUnavailable(f"jax: unknown device '{device}'; use cpu, gpu or tpu")
+        try:
+            self.device = jax.devices(platform)[0]
+        except RuntimeError as exc:
+            first = (str(exc).splitlines() or [""])[0]
+            raise BackendUnavailable(f"jax sees no {platform.upper()} ({first}); "
+                                     f"{_INSTALL.get(platform, '')}".rstrip("; ")) from None
+        if mode not in ("jit", "scan"):
+            raise BackendUnavailable(f"jax: unknown mode '{mode}'; use jit or scan")
+        if precision not in ("fp32", "bf16"):
+            raise BackendUnavailable(f"jax: precision '{precision}' is not supported; use fp32 or bf16")
+        spe = self.options.get("steps_per_execution") or DEFAULT_STEPS_PER_EXECUTION
+        self.k = int(spe) if mode == "scan" else 1
+        if self.k < 1:
+            raise BackendUnavailable(f"jax: steps_per_execution must be >= 1; got {spe}")
+        self.compute = jnp.bfloat16 if precision == "bf16" else jnp.float32
+        self._pending: Any = None  # the newest array this adapter produced, for sync()
+
+    # --- identity -----------------------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> dict:
+        return {"version": jax.__version__, "devices": [f"{d.platform}:{d.id} ({d.device_kind})" for d in jax.devices()]}
+
+    def version(self) -> str:
+        return jax.__version__
+
+    def device_id(self) -> str:
+        return f"{self.device.platform}:{self.device.id}" if self.device.platform != "cpu" else "cpu"
+
+    def gpu_name(self) -> str:
+        return "" if self.device.platform == "cpu" else str(self.device.device_kind)
+
+    def details(self) -> dict[str, Any]:
+        out = {"platform": self.device.platform}
+        if self.mode == "scan":
+            out["steps_per_execution"] = str(self.k)
+        if self.precision == "bf16":
+            out["compute"] = "bfloat16 (fp32 parameters, loss and update)"
+        return out
+
+    # --- model --------------------------------------------------------------------------------
+    def build(self, weights: Sequence[np.ndarray]) -> int:
+        t = self.workload.training
+        logits_fn = make_forward(self.workload)
+        compute, nc, bs = self.compute, self.workload.num_classes, t.batch_size
+
+        def logits(params: Params, x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
+            cast = [p.astype(compute) for p in params]
+            return logits_fn(cast, x.astype(compute), key).astype(jnp.float32)
+
+        def loss_fn(params: Params, x: jax.Array, y: jax.Array, key: Optional[jax.Array]):
+            z = logits(params, x, key)
+            # Cross-entropy from the logits behind the final softmax, as Keras 3 on TensorFlow.
+            loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], axis=1))
+            return loss, z
+
+        def step(params: Params, opt: dict, acc: tuple, x: jax.Array, y: jax.Array,
+                 key: Optional[jax.Array]):
+            (loss, z), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, key)
+            params, opt = _update(t.optimizer, t.lr, t.momentum, params, grads, opt)
+            hits = jnp.sum(jnp.argmax(z, axis=1) == y).astype(jnp.int32)
+            acc = (acc[0] + loss * x.shape[0], acc[1] + hits)
+            return params, opt, acc, loss
+
+        def key_at(key: jax.Array, i: jax.Array) -> jax.Array:
+            return jax.random.fold_in(key, i)
+
+        # Both modes slice the epoch's gathered arrays inside the compiled function, so a step
+        # is one dispatch (no separate slice op per batch).
+        @partial(jax.jit, static_argnames=("size",), donate_argnums=(0, 1, 2))
+        def train_one(params, opt, acc, x, y, start, key, i, size):
+            xb = lax.dynamic_slice_in_dim(x, start, size)
+            yb = lax.dynamic_slice_in_dim(y, start, size)
+            params, opt, acc, _ = step(params, opt, acc, xb, yb, key_at(key, i))
+            return params, opt, acc
+
+        @partial(jax.jit, donate_argnums=(0, 1, 2))
+        def train_block(params, opt, acc, x, y, first, key, s0):
+            def body(carry, j):
+                p, o, a = carry
+                b = first + j  # batch index within the epoch; s0 + b is the global step
+                xb = lax.dynamic_slice_in_dim(x, b * bs, bs)
+                yb = lax.dynamic_slice_in_dim(y, b * bs, bs)
+                p, o, a, _ = step(p, o, a, xb, yb, key_at(key, s0 + b))
+                return (p, o, a), None
+
+            (params, opt, acc), _ = lax.scan(body, (params, opt, acc), jnp.arange(self.k, dtype=jnp.int32))
+            return params, opt, acc
+
+        @jax.jit
+        def no_dropout_step(params, opt, x, y):
+            zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+            params, opt, _, loss = step(params, opt, zero, x, y, None)
+            return params, opt, loss
+
+        @partial(jax.jit, static_argnames=("size",))
+        def predict(params, x, start, size):
+            return jax.nn.softmax(logits(params, lax.dynamic_slice_in_dim(x, start, size), None), axis=-1)
+
+        @partial(jax.jit, static_argnames=("size",))
+        def predict_block(params, x, start, size):
+            xs = lax.dynamic_slice_in_dim(x, start, size * self.k).reshape((self.k, size) + x.shape[1:])
+            return lax.map(lambda xb: jax.nn.softmax(logits(params, xb, None), axis=-1), xs).reshape(-1, nc)
+
+        @jax.jit
+        def gather(x, y, order):
+            return jnp.take(x, order, axis=0), jnp.take(y, order, axis=0)
+
+        self._train_one, self._train_block, self._no_dropout_step = train_one, train_block, no_dropout_step
+        self._predict, self._predict_block, self._gather = predict, predict_block, gather
+        self.params = [jax.device_put(np.asarray(w, np.float32), self.device) for w in weights]
+        self.opt = _init_state(t.optimizer, t.momentum, self.params)
+        self.key = jax.device_put(jax.random.key(self.workload.seed), self.device)
+        self.step_count = 0  # global step: the dropout key of step i is fold_in(key, i) in both modes
+        self._pending = self.params
+        return int(sum(int(np.prod(p.shape)) for p in self.params))
+
+    def get_weights(self) -> list[np.ndarray]:
+        return [np.asarray(p) for p in self.params]
+
+    # --- data ---------------------------------------------------------------------------------
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        self.x = jax.device_put(np.ascontiguousarray(x_train, np.float32), self.device)
+        self.y = jax.device_put(np.asarray(y_train, np.int32), self.device)
+
+    def to_device(self, x: np.ndarray) -> jax.Array:
+        return jax.device_put(np.ascontiguousarray(x, np.float32), self.device)
+
+    # --- run ----------------------------------------------------------------------------------
+    def train_epoch(self, order: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        n, bs = len(order), self.workload.training.batch_size
+        x, y = self._gather(self.x, self.y, jax.device_put(np.asarray(order, np.int32), self.device))
+        acc = jax.device_put((np.zeros((), np.float32), np.zeros((), np.int32)), self.device)
+        params, opt, key, s0 = self.params, self.opt, self.key, self.step_count
+        blocks, singles, short = _split(n, bs, self.k)
+        for b in range(blocks):
+            params, opt, acc = self._train_block(params, opt, acc, x, y, np.int32(b * self.k), key, np.int32(s0))
+        for b in range(blocks * self.k, blocks * self.k + singles):
+            params, opt, acc = self._train_one(params, opt, acc, x, y, np.int32(b * bs), key, np.int32(s0 + b),
+                                               size=bs)
+        if short:
+            b = blocks * self.k + singles
+            params, opt, acc = self._train_one(params, opt, acc, x, y, np.int32(b * bs), key, np.int32(s0 + b),
+                                               size=short)
+        self.params, self.opt = params, opt
+        self.step_count = s0 + (n + bs - 1) // bs
+        self._pending = acc
+        return acc[0] / n, acc[1].astype(jnp.float32) / n  # lazy: the worker fetches and syncs
+
+    def scores(self, x: jax.Array, batch_size: int) -> jax.Array:
+        n = int(x.shape[0])
+        if n == 0:
+            return jnp.zeros((0, self.workload.num_classes), jnp.float32)
+        blocks, singles, short = _split(n, batch_size, self.k)
+        parts = []
+        for b in range(blocks):
+            parts.append(self._predict_block(self.params, x, np.int32(b * self.k * batch_size), size=batch_size))
+        for b in range(blocks * self.k, blocks * self.k + singles):
+            parts.append(self._predict(self.params, x, np.int32(b * batch_size), size=batch_size))
+        if short:
+            parts.append(self._predict(self.params, x, np.int32(n - short), size=short))
+        out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        self._pending = out
+        return out
+
+    def to_host(self, value: Any) -> Any:
+        return np.asarray(value)
+
+    def sync(self) -> None:
+        if self._pending is not None:
+            jax.block_until_ready(self._pending)
+
+    def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        losses = []
+        for xb, yb in batches:
+            self.params, self.opt, loss = self._no_dropout_step(self.params, self.opt, self.to_device(xb),
+                                                                jax.device_put(np.asarray(yb, np.int32), self.device))
+            losses.append(float(loss))
+        self._pending = self.params
+        return losses

@@ -1,0 +1,159 @@
+"""The `jax` backend: parity and trajectory against the reference, broken training caught, `scan`
+trains exactly as `jit`, a missing TPU is `unavailable`, and results stay lazy until the worker syncs."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchbackend import checks, data, model, timing, worker, workload
+from benchbackend.workload import Workload
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                                reason="JAX is not installed (pip install 'benchbackend[jax]')")
+TARGET = "benchbackend.backends.jax:JaxBackend"
+
+
+def small(name: str = "mnist", limit: int = 640, epochs: int = 1, repeats: int = 1, **training: Any) -> Workload:
+    w = workload.load(name).with_overrides(limit=limit, epochs=epochs)
+    return w.model_copy(update={"training": w.training.model_copy(update=training),
+                                "inference": w.inference.model_copy(update={"repeats": repeats})})
+
+
+def npz(tmp_path, w: Workload) -> str:
+    ds = data.load(w, "synthetic")
+    path = tmp_path / "d.npz"
+    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
+             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    return str(path)
+
+
+def run(tmp_path, w: Workload, mode: str = "jit", device: str = "cpu", parity_steps: int = 0,
+        options: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """(all messages, rows with the trajectory decided) of one in-process cell."""
+    msgs: list[dict] = []
+    job = {"workload": w.to_dict(), "backend": "jax", "target": TARGET, "mode": mode, "precision": "fp32",
+           "device": device, "repeat": 1, "data": npz(tmp_path, w), "trains": True,
+           "parity_steps": parity_steps, "options": options or {}}
+    worker.run_job(job, msgs.append)
+    rows = [checks.trajectory(m, w) if m.get("losses") is not None else m for m in msgs if m.get("type") == "row"]
+    return msgs, rows
+
+
+def arrays(w: Workload) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    ds = data.load(w, "synthetic")
+    return data.normalize(ds.x_train), ds.y_train, data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed)
+
+
+@pytest.mark.parametrize("name", ["mnist", "cifar10"])
+def test_forward_parity_and_a_20_step_trajectory_agree_with_the_reference(tmp_path, name):
+    w = small(name)
+    _, rows = run(tmp_path, w, parity_steps=20)
+    forward, traj = [r for r in rows if r["phase"] == "parity"]
+    assert forward["parity_max_rel"] < w.checks.parity_rtol, forward
+    assert traj["steps"] == 20 and traj["parity_step"] is None, traj["message"]
+    assert checks.cell_status(rows, w)[0] == "ok", checks.cell_status(rows, w)
+
+
+def test_the_trajectory_check_catches_a_wrong_update_rule(tmp_path, monkeypatch):
+    import benchbackend.backends.jax as jb
+
+    real = jb._update
+    # An update rule that steps 1.5x too far (the workload's lr is right; the rule is not).
+    monkeypatch.setattr(jb, "_update", lambda opt, lr, mom, p, g, s: real(opt, lr * 1.5, mom, p, g, s))
+    w = small("mnist")
+    _, rows = run(tmp_path, w, parity_steps=20)
+    traj = [r for r in rows if r["phase"] == "parity"][1]
+    assert traj["parity_step"] is not None, traj
+    assert checks.cell_status(rows, w)[0] == "parity_mismatch"
+
+
+@pytest.mark.parametrize("lr,status", [(1e12, "nan_loss"), (1e-12, "chance_accuracy")])
+def test_broken_training_is_caught(tmp_path, lr, status):
+    w = small("mnist", limit=256, epochs=2, lr=lr)
+    _, rows = run(tmp_path, w)
+    assert checks.cell_status(rows, w)[0] == status, [r.get("loss") for r in rows if r["phase"] == "train_epoch"]
+
+
+@pytest.mark.parametrize("name", ["mnist", "cifar10"])
+def test_scan_trains_exactly_as_jit_with_a_partial_block_and_a_short_batch(name):
+    from benchbackend.backends.jax import JaxBackend
+
+    # 1000 samples at batch 32: 31 full batches and one of 8; K=7: 4 blocks of 7, then 3 single steps.
+    w = small(name, limit=1000, epochs=2)
+    x, y, orders = arrays(w)
+    weights = model.initial_weights(w, 1)
+    results = {}
+    for mode in ("jit", "scan"):
+        b = JaxBackend(w, "cpu", mode, "fp32", {"steps_per_execution": 7})
+        b.build(weights)
+        b.set_data(x, y)
+        epochs = [tuple(float(v) for v in b.to_host(b.train_epoch(order))) for order in orders]
+        results[mode] = (np.array(epochs), b.get_weights())
+    (jit_epochs, jit_w), (scan_epochs, scan_w) = results["jit"], results["scan"]
+    np.testing.assert_allclose(scan_epochs, jit_epochs, rtol=1e-5)
+    for a, b_ in zip(scan_w, jit_w):
+        np.testing.assert_allclose(a, b_, rtol=1e-4, atol=1e-6)
+
+
+def test_scan_scores_match_jit_scores():
+    from benchbackend.backends.jax import JaxBackend
+
+    w = small("mnist", limit=256)
+    weights = model.initial_weights(w, 1)
+    x = arrays(w)[0][:250]  # 250 at batch 16, K=3: 5 blocks of 3 batches, 0 single, a short batch of 10
+    out = {}
+    for mode in ("jit", "scan"):
+        b = JaxBackend(w, "cpu", mode, "fp32", {"steps_per_execution": 3})
+        b.build(weights)
+        out[mode] = b.to_host(b.scores(b.to_device(x), 16))
+    assert out["scan"].shape == (250, w.num_classes)
+    np.testing.assert_allclose(out["scan"], out["jit"], rtol=1e-5, atol=1e-7)
+
+
+def test_a_tpu_that_jax_does_not_see_is_an_unavailable_row(tmp_path):
+    import jax
+
+    try:
+        jax.devices("tpu")
+        pytest.skip("JAX sees a TPU here")
+    except RuntimeError:
+        pass
+    msgs, rows = run(tmp_path, small(limit=64), device="tpu")
+    unavailable = [m for m in msgs if m.get("type") == "unavailable"]
+    assert unavailable and "TPU" in unavailable[0]["message"] and "jax[tpu]" in unavailable[0]["message"], msgs
+    assert not rows
+
+
+def test_an_unknown_device_is_unavailable():
+    from benchbackend.backends.jax import JaxBackend
+    from benchbackend.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="unknown device 'opencl'"):
+        JaxBackend(small(), "opencl", "jit")
+
+
+def test_scores_and_epochs_stay_on_the_device_until_the_worker_fetches_them():
+    """Lazy-safe: ``scores``/``train_epoch`` fetch nothing to the host (a device-to-host transfer
+    would raise under the guard), and the worker's ``to_host`` + ``sync`` complete them."""
+    import jax
+
+    from benchbackend.backends.jax import JaxBackend
+
+    w = small("mnist", limit=256)
+    x, y, orders = arrays(w)
+    b = JaxBackend(w, "cpu", "scan", "fp32", {"steps_per_execution": 4})
+    b.build(model.initial_weights(w, 1))
+    b.set_data(x, y)
+    xd = b.to_device(x)
+    with jax.transfer_guard_device_to_host("disallow"):
+        loss, acc = b.train_epoch(orders[0])
+        probs = b.scores(xd, 32)
+    assert all(isinstance(v, jax.Array) for v in (loss, acc, probs))
+    (host, seconds) = timing.timed_region(lambda: b.scores(xd, 32), b.to_host, b.sync)
+    assert isinstance(host, np.ndarray) and host.shape == (len(x), w.num_classes) and seconds > 0
+    b.sync()
+    assert probs.is_ready() and loss.is_ready()
+    assert 0.0 <= float(acc) <= 1.0 and np.isfinite(float(loss))
