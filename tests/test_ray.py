@@ -5,6 +5,7 @@ import importlib.util
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,22 @@ def test_timeout_applies_per_cell_on_the_node(cluster, tmp_path):
     cells = runner.Runner(plan, _ray_executor()).run()
     assert [(c.repeat, c.status) for c in cells] == [(1, "timeout"), (2, "timeout")]
     assert "--timeout 0.5s" in cells[0].message
+
+
+def test_ctrl_c_cancels_the_tasks_and_keeps_what_arrived(cluster, tmp_path):
+    def progress(line: str) -> None:
+        if "epoch 1/" in line:
+            raise KeyboardInterrupt  # as Ctrl-C would, while the driver handles a streamed row
+
+    r = runner.Runner(_plan(tmp_path, "int", epochs=3), _ray_executor(), progress=progress)
+    with pytest.raises(KeyboardInterrupt):
+        r.run()
+    assert [(c.repeat, c.status) for c in r.cells] == [(1, "interrupted")]
+    df = results.read(tmp_path / "int.csv")
+    assert set(df["status"]) == {"interrupted"} and set(df["repeat"]) == {1}
+    assert df[df.phase == "train_epoch"]["epoch"].tolist() == [1]
+    # The cancelled task has ended (its worker killed first) and given its node's CPUs back.
+    deadline = time.monotonic() + 10  # the cluster's resource view lags the raylet by a moment
+    while cluster.available_resources().get("CPU") != cluster.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, "the cancelled task still holds its CPUs"
+        time.sleep(0.2)

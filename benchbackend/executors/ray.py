@@ -395,7 +395,12 @@ def _stream_worker(python: str, env: Mapping[str, str], job: dict[str, Any],
     thread.start()
     try:
         while True:
-            kind, payload = events.get()
+            try:
+                # A timeout, not a bare get(): Ray delivers a cancellation (KeyboardInterrupt) only
+                # between bytecodes, never to a thread blocked in a lock.
+                kind, payload = events.get(timeout=0.5)
+            except queue.Empty:
+                continue
             if kind == "outcome":
                 return payload
             yield kind, payload
