@@ -157,3 +157,11 @@ def test_ctrl_c_cancels_the_tasks_and_keeps_what_arrived(cluster, tmp_path):
     while cluster.available_resources().get("CPU") != cluster.cluster_resources()["CPU"]:
         assert time.monotonic() < deadline, "the cancelled task still holds its CPUs"
         time.sleep(0.2)
+
+
+def test_two_cells_per_node_run_side_by_side_with_half_the_threads_each(cluster, tmp_path):
+    plan = _plan(tmp_path, "shared", repeats=2)
+    cells = runner.Runner(plan, _ray_executor(cells_per_node=2, allow_mixed_hosts=True)).run()
+    assert sorted(c.repeat for c in cells) == [1, 2]
+    df = results.read(tmp_path / "shared.csv")
+    assert set(df["threads"]) == {cluster.cluster_resources()["CPU"] // 2}

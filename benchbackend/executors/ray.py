@@ -221,6 +221,8 @@ class _Session:
         cpus = self._cpus(node)
         threads = runner.plan.options.get("threads") or (int(cpus) if self.ex.cells_per_node and cpus >= 1 else None)
         jobs = [runner.job(group, r) for r in work.repeats]
+        for job in jobs:  # adapters size their own pools from the option, OpenMP/MKL from the env
+            job["options"] = {**job["options"], "threads": threads}
         options: dict[str, Any] = {
             "num_cpus": cpus, "num_gpus": needs.pop("GPU", 0), "resources": needs, "max_retries": 0,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)}
