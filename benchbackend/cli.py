@@ -15,7 +15,7 @@ from typing import Optional
 import click
 
 from . import backends as registry
-from .errors import BackendUnavailable, BenchError, DataError, EnvError, ResultsError, WorkloadError
+from .errors import BackendUnavailable, BenchError, ClusterError, DataError, EnvError, ResultsError, WorkloadError
 
 DEFAULT_BACKENDS = ("torch", "tensorflow")
 
@@ -76,6 +76,16 @@ def main() -> None:
 @click.option("--tune-trials", type=click.IntRange(1), default=64, show_default=True,
               help="Schedule-search budget for tuning modes (tvm:tuned).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per worker before it is killed.")
+@click.option("--executor", "executor_name", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: one cell at a time on this machine. ray: cells as Ray tasks on a cluster "
+                   "(pip install 'benchbackend[ray]'); a group's repeats run on one node.")
+@click.option("--address", metavar="HOST:PORT",
+              help="Ray cluster to join (--executor ray), e.g. head:6379 or auto. Default: start a local one.")
+@click.option("--cells-per-node", type=click.IntRange(1), metavar="N",
+              help="Ray: cells at once per node, each reserving node CPUs / N (and as many threads). "
+                   "Default: 1, a cell reserves its whole node.")
+@click.option("--allow-mixed-hosts", is_flag=True,
+              help="Ray: let a group's repeats run on different nodes (compare warns about mixed hosts).")
 @click.option("--parity-steps", default=0, type=click.IntRange(0), show_default=True,
               help="Also compare the first K training steps' losses with the reference (dropout off).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
@@ -84,7 +94,9 @@ def main() -> None:
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
         device: str, repeats: int, epochs: Optional[int], limit: Optional[int], seed: Optional[int], data_source: str,
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int], inference_only: bool, steps_per_execution: int,
-        tune_trials: int, timeout: Optional[float], parity_steps: int, output: Optional[Path], plots: bool) -> None:
+        tune_trials: int, timeout: Optional[float], executor_name: str, address: Optional[str],
+        cells_per_node: Optional[int], allow_mixed_hosts: bool, parity_steps: int, output: Optional[Path],
+        plots: bool) -> None:
     """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend, mode and precision.
 
     \b
@@ -93,6 +105,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run cifar10 mnist -b torch -b tensorflow --repeats 3 --epochs 2 --limit 2000 --data synthetic
       benchbackend run cifar10 -b torch --mode torch:eager --precision fp32 --precision bf16
       benchbackend run cifar10 -b torch -b tensorflow --batch-size 32 --batch-size 128
+      benchbackend run mnist -b torch -b numpy --executor ray --address head:6379
       benchbackend run path/to/my_workload.yaml -b tensorflow
     """
     from . import plan as planning
@@ -111,7 +124,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
         choices = planning.resolve(names, list(modes), list(precisions), device)
-        runner.check_backends(names)
+        if executor_name == "local":
+            runner.check_backends(names)  # a cluster's nodes may have what this machine lacks
     except (WorkloadError, BackendUnavailable) as exc:
         raise UsageFailure(str(exc)) from None
     out = output or results.default_path([w.name for w in loaded])
@@ -120,10 +134,9 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats, timeout=timeout,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
                             inference_only=inference_only, options=options, output=out)
+    executor = _executor(executor_name, address, cells_per_node, allow_mixed_hosts)
     try:
-        from .executors.local import LocalExecutor
-
-        r = runner.Runner(plan, LocalExecutor(), progress=_err)
+        r = runner.Runner(plan, executor, progress=_err)
     except OSError as exc:
         raise UsageFailure(f"{out}: cannot write results: {exc.strerror}") from None
     try:
@@ -139,6 +152,28 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         sys.exit(2)
     _summary(cells, out if r.writer.rows else None, plots)
     sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
+
+
+def _executor(name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool):
+    """The executor --executor names; a Ray cluster is joined (or started) here, before data is prepared."""
+    if name == "local":
+        given = [f for f, v in (("--address", address), ("--cells-per-node", cells_per_node),
+                                ("--allow-mixed-hosts", allow_mixed_hosts)) if v]
+        if given:
+            raise UsageFailure(f"{', '.join(given)} needs --executor ray")
+        from .executors.local import LocalExecutor
+
+        return LocalExecutor()
+    try:
+        from .executors.ray import RayExecutor
+    except ImportError as exc:
+        raise UsageFailure(f"--executor ray needs Ray ({exc}): pip install 'benchbackend[ray]'") from None
+    executor = RayExecutor(address=address, cells_per_node=cells_per_node, allow_mixed_hosts=allow_mixed_hosts)
+    try:
+        executor.connect()
+    except ClusterError as exc:
+        raise UsageFailure(str(exc)) from None
+    return executor
 
 
 def _summary(cells: list, out: Optional[Path], plots: bool) -> None:

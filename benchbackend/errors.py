@@ -24,3 +24,7 @@ class ResultsError(BenchError):
 
 class EnvError(BenchError):
     """An isolated backend environment could not be built or is broken."""
+
+
+class ClusterError(BenchError):
+    """The Ray cluster cannot be reached or joined (usage error, exit 2)."""

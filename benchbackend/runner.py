@@ -129,7 +129,9 @@ class Runner:
         """Write an ``unavailable`` cell for a group that cannot run here; True when it did."""
         c = group.choice
         spec = backends.get(c.backend)
-        problem = c.problem or ("" if backends.installed(spec) else f"not installed: {spec.install}")
+        # On a cluster, whether a node has the backend shows in its worker's own `unavailable` row.
+        remote = getattr(self.executor, "remote", False)
+        problem = c.problem or ("" if remote or backends.installed(spec) else f"not installed: {spec.install}")
         if not problem:
             return False
         cell = self.start(group, 1)

@@ -38,7 +38,7 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .. import backends
-from ..errors import BenchError
+from ..errors import ClusterError
 from ..launch import HEARTBEAT_S, Outcome, run_worker
 
 if TYPE_CHECKING:
@@ -51,10 +51,6 @@ ENV_SHARE = 0.001
 _POLL_S = 0.5
 _CONNECT_TIMEOUT_S = 10.0
 _CANCEL_GRACE_S = 10.0
-
-
-class ClusterError(BenchError):
-    """The Ray cluster cannot be reached or joined (usage error, exit 2)."""
 
 
 def local_resources() -> dict[str, float]:
