@@ -11,6 +11,11 @@ per-repeat steady epoch time and per-repeat steady inference time, with one deci
 95% interval from Welch's t on log times, and "faster"/"slower" iff that interval leaves 1 out.
 Only groups whose every repeat is ``ok`` get a verdict or can be the fastest; only ``ok`` repeats
 feed the timings. The text comes from :mod:`benchbackend.tables`.
+
+``metric="time-to-accuracy"`` ranks the training table on per-repeat time to accuracy instead
+(DAWNBench's metric: the training seconds until the validation accuracy first reached the
+workload's ``checks.target_accuracy``), with the same decision rule; a repeat that never reached
+the target has no time and is counted apart, and a group where none did is not ranked.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import pandas as pd
 
 from . import results, stats, tables
 from .errors import ResultsError
-from .stats import CONTEXT_KEYS, GROUP_KEYS, label
+from .stats import CONTEXT_KEYS, GROUP_KEYS, METRICS, TTA, label
 
 FORMATS = ("table", "markdown", "csv", "json")
 MIN_REPEATS = 3
@@ -39,7 +44,7 @@ REFERENCE_BACKEND = "numpy"
 CONTEXT_ENV = ("host", "os", "cpu", "gpu", "threads")
 #: Compared only within one backend: isolated backend environments legitimately differ in these.
 BACKEND_ENV = ("backend_version", "python")
-_METRICS = (("train", "steady_s"), ("infer", "infer_s"))
+NOT_REACHED = "not ranked (target not reached)"
 
 
 @dataclass
@@ -95,11 +100,18 @@ def _preference(key: tuple) -> tuple:
     return (backend == REFERENCE_BACKEND, order, backend, bool(precision), mode_rank, mode)
 
 
+def _metrics(metric: str) -> tuple[tuple[str, str], ...]:
+    """(table prefix, per-repeat column) of the training and the inference ranking."""
+    return (("train", METRICS[metric]), ("infer", "infer_s"))
+
+
 def _pick_baseline(frame: pd.DataFrame, baseline: Optional[str], where: str,
-                   warnings: list[str]) -> Optional[tuple]:
+                   warnings: list[str], metric: str = "epoch-time") -> Optional[tuple]:
     keys = list(frame.index)
     if baseline is None:
         ok = [k for k in keys if stats.is_ok(frame.loc[k, "status"]) and frame.loc[k, "ok_repeats"] > 0]
+        if metric == TTA:  # a baseline that never reached the target would leave every ratio n/a
+            ok = [k for k in ok if frame.loc[k, "tta_reached"] > 0] or ok
         return min(ok, key=_preference) if ok else None
     found = sorted((k for k in keys if _matches(k, baseline)), key=_preference)
     if not found:
@@ -116,6 +128,9 @@ def _pick_baseline(frame: pd.DataFrame, baseline: Optional[str], where: str,
     if not stats.is_ok(row["status"]):
         warnings.append(f"{where}: the baseline {label(*base[2:])} is {row['status']} ({row['failed']}); "
                         f"ratios use its {row['ok_repeats']} ok repeat(s)")
+    if metric == TTA and row["tta_reached"] == 0 and not row["inference_only"]:
+        warnings.append(f"{where}: the baseline {label(*base[2:])} never reached the target accuracy, "
+                        "so no time-to-accuracy ratios there")
     return base
 
 
@@ -123,13 +138,16 @@ def _context_name(ctx: tuple) -> str:
     return f"{ctx[0]} on {ctx[1]}"
 
 
-def rank(summary: stats.Summary, baseline: Optional[str] = None) -> tuple[pd.DataFrame, list[str]]:
+def rank(summary: stats.Summary, baseline: Optional[str] = None,
+         metric: str = "epoch-time") -> tuple[pd.DataFrame, list[str]]:
     """Add ratios to the baseline, verdicts and the fastest correct group per experiment and device.
 
     ``baseline`` is a backend name (``BACKEND`` or ``BACKEND:MODE``); by default, per experiment,
     the first backend in registry order whose every repeat is ok, the NumPy reference last (it is
     the correctness oracle, not a backend one would pick). Only ok groups get a verdict; the others
-    get ``not ranked (STATUS)``. Raises ResultsError when the named baseline ran nowhere.
+    get ``not ranked (STATUS)``. ``metric`` (a key of METRICS) is what ranks the training table;
+    under ``time-to-accuracy`` an ok group none of whose repeats reached the target is
+    ``not ranked (target not reached)``. Raises ResultsError when the named baseline ran nowhere.
     """
     groups = summary.groups.copy()
     keys = list(groups.index)
@@ -138,20 +156,23 @@ def rank(summary: stats.Summary, baseline: Optional[str] = None) -> tuple[pd.Dat
                            + ", ".join(sorted({label(k[2], k[3]) for k in keys})))
     warnings: list[str] = []
     new: dict[str, list] = {c: [] for c in ["baseline", "fastest_train", "fastest_infer"]}
-    for prefix, _ in _METRICS:
+    measures = _metrics(metric)
+    for prefix, _ in measures:
         for c in ("ratio", "ratio_low", "ratio_high", "p", "verdict", "text"):
             new[f"{prefix}_{c}"] = []
     order = []
     contexts = sorted(groups.groupby(CONTEXT_KEYS, sort=False),
                       key=lambda item: tuple(stats.natural_key(part) for part in item[0]))
     for ctx, frame in contexts:
-        base = _pick_baseline(frame, baseline, _context_name(ctx), warnings)
-        fastest = {p: _fastest(frame, col) for p, col in _METRICS}
+        base = _pick_baseline(frame, baseline, _context_name(ctx), warnings, metric)
+        fastest = {p: _fastest(frame, col) for p, col in measures}
         for key in frame.index:
             order.append(key)
             ok = stats.is_ok(groups.loc[key, "status"])
             new["baseline"].append(label(*base[2:]) if base else "")
-            for prefix, col in _METRICS:
+            missed = (metric == TTA and groups.loc[key, "tta_reached"] == 0
+                      and groups.loc[key, "tta_missed"] > 0)
+            for prefix, col in measures:
                 new[f"fastest_{prefix}"].append(key == fastest[prefix])
                 r = (stats.compare_times(summary.samples(base, col), summary.samples(key, col))
                      if base is not None and key != base and ok else None)
@@ -159,6 +180,8 @@ def rank(summary: stats.Summary, baseline: Optional[str] = None) -> tuple[pd.Dat
                     verdict = text = "baseline"
                 elif not ok:
                     verdict = text = f"not ranked ({groups.loc[key, 'status']})"
+                elif prefix == "train" and missed:
+                    verdict = text = NOT_REACHED
                 elif r is None:
                     verdict = text = "n/a"
                 else:
@@ -188,9 +211,17 @@ def _names(groups: pd.DataFrame, mask: pd.Series, detail: Optional[pd.Series] = 
     return ", ".join(items)
 
 
-def stability_warnings(groups: pd.DataFrame) -> list[str]:
-    """Too few repeats, a spread over 10% of the median, no steady state (single epoch)."""
+def stability_warnings(groups: pd.DataFrame, metric: str = "epoch-time") -> list[str]:
+    """Too few repeats, a spread over 10% of the median, no steady state (single epoch); under
+    ``time-to-accuracy``, too few repeats that reached the target."""
     out = []
+    if metric == TTA:
+        tried = (groups["tta_reached"] + groups["tta_missed"]) > 0
+        few_tta = tried & (groups["tta_reached"] < MIN_REPEATS)
+        if few_tta.any():
+            out.append(f"fewer than {MIN_REPEATS} repeats reached the target accuracy, so time-to-accuracy "
+                       "intervals and verdicts are weak or missing: "
+                       + _names(groups, few_tta, groups["tta_reached"].astype(str) + " reached"))
     n = groups[["steady_n", "infer_n"]].replace(0, np.nan).min(axis=1)
     few = n.notna() & (n < MIN_REPEATS)
     if few.any():
@@ -269,13 +300,15 @@ def _is_candidate(key: tuple, row: pd.Series, candidate: tuple[str, ...]) -> boo
     return row["baseline"] != "" and row["train_verdict"] != "baseline"
 
 
-def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float) -> tuple[list[str], int]:
+def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
+                metric: str = "epoch-time") -> tuple[list[str], int]:
     """Messages and exit code for ``--fail-on-regression``.
 
     Exit ``EXIT_CANDIDATE_FAILED`` when a candidate is not ok (crashed, NaN loss, ...): its
-    timings cannot speak for it. Else ``EXIT_REGRESSION`` when a candidate is slower than the
-    baseline by more than ``factor`` (point estimate) *and* significantly so (the 95% interval
-    of the speed-up lies below 1). With no candidate named, every non-baseline group is one.
+    timings cannot speak for it; under ``time-to-accuracy`` also when it never reached the
+    target. Else ``EXIT_REGRESSION`` when a candidate is slower than the baseline by more than
+    ``factor`` (point estimate) *and* significantly so (the 95% interval of the speed-up lies
+    below 1). With no candidate named, every non-baseline group is one.
     """
     out, code = [], 0
     for key, row in groups.iterrows():
@@ -287,7 +320,13 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float)
                        "--fail-on-regression")
             code = EXIT_CANDIDATE_FAILED
             continue
-        for prefix, what in (("train", "steady epoch"), ("infer", "inference")):
+        if row["train_verdict"] == NOT_REACHED:
+            out.append(f"candidate failed: {group_name(key)} never reached the target accuracy "
+                       f"({row['tta_missed']} repeat(s)), so it cannot pass --fail-on-regression")
+            code = EXIT_CANDIDATE_FAILED
+            continue
+        train_what = "time to accuracy" if metric == TTA else "steady epoch"
+        for prefix, what in (("train", train_what), ("infer", "inference")):
             ratio = row[f"{prefix}_ratio"]
             if not ratio > 0 or 1 / ratio <= factor:
                 continue
@@ -312,11 +351,22 @@ def _check_measured(df: pd.DataFrame) -> None:
     raise ResultsError(f"{names}: no measurements to compare ({what})")
 
 
+def _check_metric(metric: str, df: Optional[pd.DataFrame] = None) -> None:
+    if metric not in METRICS:
+        raise ResultsError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+    if metric == TTA and df is not None:
+        tta = pd.to_numeric(df["time_to_accuracy_s"], errors="coerce") if "time_to_accuracy_s" in df else None
+        if tta is None or not tta.notna().any():
+            raise ResultsError("no time_to_accuracy_s in these results: declare checks.target_accuracy in the workload")
+
+
 def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ...],
-             fail_on_regression: Optional[float], notes: list[str]) -> tuple[pd.DataFrame, list[str], int]:
+             fail_on_regression: Optional[float], notes: list[str],
+             metric: str = "epoch-time") -> tuple[pd.DataFrame, list[str], int]:
     if fail_on_regression is not None and not fail_on_regression >= 1:
         raise ResultsError(f"the regression factor must be at least 1; got {fail_on_regression!r}")
     _check_measured(df)
+    _check_metric(metric, df)
     df = stats.with_experiment(df)
     summary = stats.summarize(df)
     keys = list(summary.groups.index)
@@ -324,9 +374,11 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
         if not any(_matches(k, name) for k in keys):
             raise ResultsError(f"unknown candidate backend {name!r}; backends in these results: "
                                + ", ".join(sorted({label(k[2], k[3]) for k in keys})))
-    groups, warnings = rank(summary, baseline)
-    warnings = notes + warnings + stability_warnings(groups) + environment_warnings(df) + _status_warnings(groups)
-    found, code = regressions(groups, candidate, fail_on_regression) if fail_on_regression is not None else ([], 0)
+    groups, warnings = rank(summary, baseline, metric)
+    warnings = (notes + warnings + stability_warnings(groups, metric) + environment_warnings(df)
+                + _status_warnings(groups))
+    found, code = (regressions(groups, candidate, fail_on_regression, metric) if fail_on_regression is not None
+                   else ([], 0))
     return groups, warnings + found, code
 
 
@@ -337,19 +389,20 @@ def _check_format(fmt: str) -> None:
 
 def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate: tuple[str, ...] = (),
                   fmt: str = "table", fail_on_regression: Optional[float] = None,
-                  notes: Optional[list[str]] = None) -> CompareOutcome:
+                  notes: Optional[list[str]] = None, metric: str = "epoch-time") -> CompareOutcome:
     """Compare results already read (``results.read_many``, best through ``results.for_comparison``),
     e.g. right after a run; see :func:`run_compare` for the arguments."""
     _check_format(fmt)
-    groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []))
-    text = tables.render(groups, fmt, warnings)
+    groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []),
+                                      metric)
+    text = tables.render(groups, fmt, warnings, metric)
     return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df,
-                          table_text=text if fmt == "table" else tables.render(groups, "table", warnings))
+                          table_text=text if fmt == "table" else tables.render(groups, "table", warnings, metric))
 
 
 def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tuple[str, ...] = (),
                 fmt: str = "table", skip_bad: bool = False,
-                fail_on_regression: float | None = None) -> CompareOutcome:
+                fail_on_regression: float | None = None, metric: str = "epoch-time") -> CompareOutcome:
     """Read results CSVs (files, directories, globs) and compare backends.
 
     ``fmt`` is table, markdown, csv or json. The outcome carries the rows and the terminal table,
@@ -357,12 +410,14 @@ def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tup
     a warning). ``fail_on_regression`` (a factor >= 1) sets exit_code 4 when a ``candidate``
     (every non-baseline group when none is named) is not ok, else 3 when one is slower than the
     baseline by more than that factor and significantly so, in training or inference.
+    ``metric`` (``epoch-time`` or ``time-to-accuracy``) ranks the training table.
     Raises ResultsError for bad input: a bad file, files with no measurements, an unknown
-    baseline or candidate, a bad format.
+    baseline or candidate, a bad format or metric, time to accuracy asked of files without it.
     """
     _check_format(fmt)
+    _check_metric(metric)
     df, skipped = results.read_many(_expand(list(paths)), skip_bad=skip_bad)
     df = results.for_comparison(df)
     notes = [f"skipped {msg}" for msg in skipped]
     return compare_frame(df, baseline=baseline, candidate=candidate, fmt=fmt,
-                         fail_on_regression=fail_on_regression, notes=notes)
+                         fail_on_regression=fail_on_regression, notes=notes, metric=metric)

@@ -92,9 +92,11 @@ def _interval_note(kinds: Iterable[str]) -> str:
     return "bars: 95% CI of the median with 6+ repeats, else min-max of the repeats"
 
 
-def _bars(ax: "Axes", groups: pd.DataFrame, value: str, low: str, high: str, unit: str, fmt: str) -> None:
-    """Bars of ``value`` per group with [low, high] error bars; the value is written above the
-    bar's error bar, never on it; failed groups hatched grey with a red label."""
+def _bars(ax: "Axes", groups: pd.DataFrame, value: str, low: str, high: str, unit: str, fmt: str,
+          notes: Optional[list[str]] = None) -> None:
+    """Bars of ``value`` per group with [low, high] error bars; the value (and its line of
+    ``notes``, if any) is written above the bar's error bar, never on it; failed groups hatched grey
+    with a red label."""
     keys, statuses = list(groups.index), list(groups["status"])
     colors = _colors([_label(k) for k in keys])
     x = np.arange(len(keys))
@@ -109,11 +111,11 @@ def _bars(ax: "Axes", groups: pd.DataFrame, value: str, low: str, high: str, uni
                   edgecolor=["black" if good else FAILED_COLOR for good in ok], yerr=np.vstack([below, above]),
                   capsize=5, error_kw={"elinewidth": 1.2, "ecolor": "black"})
     tops = np.where(np.isfinite(med), np.nan_to_num(med, nan=0.0) + above, 0.0)
-    for bar, good, v, status, top in zip(bars, ok, med, statuses, tops):
+    for bar, good, v, status, top, note in zip(bars, ok, med, statuses, tops, notes or [""] * len(keys)):
         if not good:
             bar.set_hatch("//")
         if math.isfinite(v):
-            text = format(v, fmt) + unit
+            text = format(v, fmt) + unit + (f"\n{note}" if note else "")
         else:
             text = f"no time\n({status})" if not good else "n/a"
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, top), xytext=(0, 6), textcoords="offset points",
@@ -147,16 +149,126 @@ def epoch_time_figure(groups: pd.DataFrame, title: str) -> "Figure":
     return fig
 
 
+def _mfu_text(value: float) -> str:
+    return f"MFU {value * 100:#.3g}%" if math.isfinite(value) else ""
+
+
+def mfu_scale(groups: pd.DataFrame, rate: str, mfu: str) -> Optional[tuple[float, str]]:
+    """(MFU per unit of ``rate``, the peak) when every group with a throughput was measured against
+    one peak, so that MFU is the throughput times one factor and a second axis shows it exactly;
+    None when peaks differ or are unknown (then each value is labelled with its own MFU)."""
+    have = groups[groups[rate].notna() & (groups[rate] > 0)]
+    peaks = set(have["peak"])
+    if not len(have) or len(peaks) != 1 or "" in peaks or have[mfu].isna().any():
+        return None
+    factors = (have[mfu] / have[rate]).to_numpy(dtype=float)
+    if not np.allclose(factors, factors[0], rtol=1e-6):  # one model size and one peak: one factor
+        return None
+    return float(factors[0]), peaks.pop()
+
+
+def _mfu_axis(ax: "Axes", scale: tuple[float, str]) -> None:
+    factor, peak = scale
+    sec = ax.secondary_yaxis("right", functions=(lambda v: v * factor * 100, lambda m: m / (factor * 100)))
+    sec.set_ylabel(f"MFU (%) against {peak}", fontsize=9)
+
+
 def throughput_figure(groups: pd.DataFrame, title: str) -> "Figure":
-    """Bars of training throughput (samples/s of the steady epochs; median over ok repeats)."""
+    """Bars of training throughput (samples/s of the steady epochs; median over ok repeats), each
+    labelled with its MFU where a peak is known; a right-hand MFU axis when all share one peak."""
     width = max(5.0, 1.3 * len(groups) + 2)
     fig, (ax,) = _figure(width, 4.4)
-    _bars(ax, groups, "samples_per_s", "sps_low", "sps_high", "", ",.0f")
+    _bars(ax, groups, "samples_per_s", "sps_low", "sps_high", "", ",.0f",
+          notes=[_mfu_text(v) for v in groups["mfu"].to_numpy(dtype=float)])
+    scale = mfu_scale(groups, "samples_per_s", "mfu")
+    if scale is not None:
+        _mfu_axis(ax, scale)
     samples = groups["train_samples"].dropna()
     per = f", {samples.max():,.0f} samples an epoch" if len(samples) else ""
     ax.set_ylabel("training samples/s (higher is better)")
     ax.set_title(_wrap(f"{title}: training throughput (median over repeats{per}; "
                        f"{_interval_note(groups['steady_interval'])})", width), fontsize=11)
+    return fig
+
+
+#: The two phases of a batch-size sweep: (stem part, definition field, throughput, interval, MFU, what).
+_SWEEP_PHASES = (("train", "batch", "samples_per_s", "sps", "mfu", "training"),
+                 ("inference", "infer_batch", "infer_sps", "infer_sps", "infer_mfu", "inference"))
+
+
+def _sweeps(groups: pd.DataFrame) -> list[tuple[tuple, str, pd.DataFrame]]:
+    """Groups of one workload name, device and definition but for the batch sizes, where the
+    definitions hold several batch sizes: (key, what the fixed definition is, groups with
+    ``batch`` and ``infer_batch`` columns)."""
+    from .results import definition_fields
+
+    fields = [definition_fields(d) for d in groups["definition"]]
+    frame = groups.assign(batch=[pd.to_numeric(f.get("batch"), errors="coerce") for f in fields],
+                          infer_batch=[pd.to_numeric(f.get("infer_batch", f.get("batch")), errors="coerce")
+                                       for f in fields],
+                          rest=[" ".join(f"{k}={v}" for k, v in f.items() if k not in ("batch", "infer_batch"))
+                                for f in fields])
+    frame = frame[frame["batch"].notna()]
+    device = frame.index.get_level_values("device")
+    out = []
+    for key, sub in frame.groupby([frame["workload"], device, frame["rest"]], sort=True):
+        if sub["batch"].nunique() > 1 or sub["infer_batch"].nunique() > 1:
+            out.append((key, key[2], sub))
+    return out
+
+
+def batch_size_figure(groups: pd.DataFrame, title: str, phase: str = "train") -> "Figure":
+    """Throughput against batch size, one line per backend (mode, precision) in the styles of the
+    other figures: the median samples/s over ok repeats with its interval; a right-hand MFU axis
+    when every point shares one peak, else each point labelled with its MFU. A batch size whose
+    group is not ok is a red x with its status, off the line.
+
+    ``groups``: ``stats.summarize(df).groups`` rows of one workload, device and definition but for
+    the batch size, with ``batch`` and ``infer_batch`` columns (see :func:`_sweeps`)."""
+    _, field, rate, interval, mfu, what = next(p for p in _SWEEP_PHASES if p[0] == phase)
+    fig, (ax,) = _figure(7.5, 4.6)
+    labels = [_label(k) for k in groups.index]
+    styles = _styles(labels)
+    scale = mfu_scale(groups, rate, mfu)
+    sizes = sorted({int(b) for b in groups[field].dropna()})
+    for name in sorted(set(labels)):
+        sub = groups[[lab == name for lab in labels]].sort_values(field)
+        look = styles[name]
+        # A batch size whose group is not ok breaks the line (NaN) rather than being bridged.
+        good = sub.assign(**{rate: sub[rate].where(sub["status"] == "ok")})
+        x, y = good[field].to_numpy(dtype=float), good[rate].to_numpy(dtype=float)
+        below = np.nan_to_num(y - good[f"{interval}_low"].to_numpy(dtype=float), nan=0.0).clip(min=0)
+        above = np.nan_to_num(good[f"{interval}_high"].to_numpy(dtype=float) - y, nan=0.0).clip(min=0)
+        ax.errorbar(x, y, yerr=np.vstack([below, above]), label=name, color=look["color"], marker=look["marker"],
+                    markersize=look["markersize"], markerfacecolor="none", markeredgewidth=1.4,
+                    linestyle=look["linestyle"], linewidth=1.6, capsize=4)
+        if scale is None:
+            for xi, yi, m in zip(x, y, good[mfu].to_numpy(dtype=float)):
+                if math.isfinite(m) and math.isfinite(yi):
+                    ax.annotate(f"{m * 100:#.3g}%", (xi, yi), xytext=(0, 7), textcoords="offset points",
+                                ha="center", fontsize=8, color=look["color"])
+        bad = sub[sub["status"] != "ok"]
+        for b, v, status in zip(bad[field], bad[rate], bad["status"]):
+            v = float(v) if pd.notna(v) else 0.0
+            ax.plot([b], [v], marker="x", color=FAILED_COLOR, markersize=10, markeredgewidth=2, linestyle="none")
+            ax.annotate(f"{name}\n[{status}]", (b, v), xytext=(0, 7), textcoords="offset points", ha="center",
+                        fontsize=8, color=FAILED_COLOR)
+    if sizes and sizes[-1] >= 4 * sizes[0]:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel(f"{what} batch size")
+    ax.set_ylabel(f"{what} samples/s (higher is better)")
+    top = np.nanmax(groups[[rate, f"{interval}_high"]].to_numpy(dtype=float)) if len(groups) else np.nan
+    ax.set_ylim(0, (top if np.isfinite(top) and top > 0 else 1.0) * 1.2)
+    if scale is not None:
+        _mfu_axis(ax, scale)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9, frameon=False)
+    mfu_note = "" if scale is not None else "; labels: MFU"
+    ax.set_title(_wrap(f"{title}: {what} throughput against batch size (median over ok repeats; "
+                       f"{_interval_note(groups['steady_interval' if phase == 'train' else 'infer_interval'])}"
+                       f"{mfu_note})", 7.5), fontsize=11)
     return fig
 
 
@@ -303,6 +415,29 @@ def figures(df: pd.DataFrame) -> list[tuple[str, "Figure"]]:
         if len(rows[rows["phase"] == "inference"]):
             samples = frame["infer_samples"].max()
             out.append((f"{stem}-inference", inference_figure(infer, statuses, where, samples)))
+    return out + sweep_figures(groups)
+
+
+def sweep_figures(groups: pd.DataFrame) -> list[tuple[str, "Figure"]]:
+    """Throughput against batch size (training and inference) for each workload and device whose
+    results hold several batch sizes of one definition otherwise."""
+    out = []
+    sweeps = _sweeps(groups)
+    per_workload: dict[tuple, int] = {}
+    for key, _, _ in sweeps:
+        per_workload[key[:2]] = per_workload.get(key[:2], 0) + 1
+    seen: dict[tuple, int] = {}
+    for key, rest, sub in sweeps:
+        workload, device = key[0], key[1]
+        seen[key[:2]] = seen.get(key[:2], 0) + 1
+        several = per_workload[key[:2]] > 1
+        title = f"{workload} on {device}" + (f" ({rest})" if several else "")
+        stem = f"{_slug(workload)}-{_slug(device)}-batch" + (f"-{seen[key[:2]]}" if several else "")
+        trains = sub[~sub["inference_only"].astype(bool)]
+        if trains["samples_per_s"].notna().any() and trains["batch"].nunique() > 1:
+            out.append((f"{stem}-train", batch_size_figure(trains, title, "train")))
+        if sub["infer_sps"].notna().any() and sub["infer_batch"].nunique() > 1:
+            out.append((f"{stem}-inference", batch_size_figure(sub, title, "inference")))
     return out
 
 

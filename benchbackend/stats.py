@@ -11,6 +11,12 @@ the timings of its repeats that ran to the end but failed a check (a NaN loss, a
 so that "fast but wrong" stays visible; such a group is never ranked. Crashed, timed-out,
 interrupted and pending repeats never feed a timing: their epochs are partial.
 
+Throughput comes with its model FLOPs utilization (MFU: achieved FLOP/s over the peak the run
+recorded; a training sample costs 3x its forward FLOPs), reduced like samples/s. Time to accuracy
+(``time_to_accuracy_s``, written when the workload declares ``checks.target_accuracy``) is one
+value per repeat: the training seconds until the validation accuracy first reached the target, or
+``inf`` when it never did; such a repeat cannot be timed and is counted apart.
+
 The decision rule (one for every verdict and interval): Welch's t on the log of per-repeat times.
 The point estimate is the ratio of geometric means baseline/candidate (above 1: the candidate is
 faster); the 95% interval is exp of Welch's interval of the mean log difference; the difference
@@ -22,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
@@ -47,7 +53,17 @@ SUMMARY_COLUMNS = [
     "samples_per_s", "sps_low", "sps_high", "val_accuracy", "parity_max_abs", "parity_max_rel",
     "infer_first_s", "infer_s", "infer_low", "infer_high", "infer_interval", "infer_spread", "infer_n",
     "threads",
+    "infer_sps", "infer_sps_low", "infer_sps_high",
+    # MFU: the peak each group was measured against ("peak": readable, "peak_flops": NaN when several)
+    "flops_per_sample", "achieved_flops", "mfu", "infer_achieved_flops", "infer_mfu", "peak_flops", "peak",
+    # time to accuracy over the timed repeats that reached the target; the others counted apart
+    "tta_s", "tta_low", "tta_high", "tta_interval", "tta_n", "tta_reached", "tta_missed",
 ]
+#: ``compare --metric``: the per-repeat value (a column of :class:`Summary`) that ranks training.
+METRICS = {"epoch-time": "steady_s", "time-to-accuracy": "tta_s"}
+TTA = "time-to-accuracy"
+#: Per-repeat values of the training and the inference phase, reduced alike (see :func:`per_repeat`).
+_RATE_COLUMNS = ("achieved_flops", "mfu")
 
 
 def label(backend: str, mode: str) -> str:
@@ -232,29 +248,46 @@ def timed_repeats(status: pd.Series) -> pd.Series:
     return ok | (~any_ok & status.isin(CHECK_FAILED))
 
 
+def _column(df: pd.DataFrame, name: str) -> pd.Series:
+    """A numeric column, all NaN where the file predates it."""
+    if name in df.columns:
+        return pd.to_numeric(df[name], errors="coerce")
+    return pd.Series(np.nan, index=df.index, dtype=float)
+
+
 def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
     """One row per repeat: status, timed (feeds the timings), first_s (epoch 1), steady_s (median
-    of epochs >= 2; NaN with a single epoch), samples_per_s (of the same epochs; epoch 1's with a
-    single epoch), val_accuracy (last epoch), infer_first_s (the first inference pass, which
-    carries tracing, compilation and first copies, as epoch 1 does) and infer_s (median of the
-    passes after the first; the only pass when there is one)."""
+    of epochs >= 2; NaN with a single epoch), samples_per_s, achieved_flops and mfu (of the same
+    epochs; epoch 1's with a single epoch), val_accuracy (last epoch), infer_first_s (the first
+    inference pass, which carries tracing, compilation and first copies, as epoch 1 does), infer_s,
+    infer_sps (samples/s), infer_achieved_flops and infer_mfu (median of the passes after the
+    first; the only pass when there is one), and tta_s (time to accuracy: ``inf`` when the target
+    was not reached, NaN when the workload declared none)."""
     keys = GROUP_KEYS + REPEAT_KEYS
+    df = df.assign(**{c: _column(df, c) for c in _RATE_COLUMNS + ("time_to_accuracy_s",)})
     phase = df["phase"]
-    train = df.loc[phase == "train_epoch", keys + ["epoch", "seconds", "samples_per_s", "val_accuracy"]]
+    train = df.loc[phase == "train_epoch", keys + ["epoch", "seconds", "samples_per_s", "val_accuracy",
+                                                   *_RATE_COLUMNS]]
     later = train["epoch"] >= 2
-    steady = train[later].groupby(keys, sort=False, dropna=False).agg(
-        steady_s=("seconds", "median"), samples_per_s=("samples_per_s", "median"))
+    rates = {c: (c, "median") for c in ("samples_per_s",) + _RATE_COLUMNS}
+    steady = train[later].groupby(keys, sort=False, dropna=False).agg(steady_s=("seconds", "median"), **rates)
     first = train[train["epoch"] == 1].groupby(keys, sort=False, dropna=False).agg(
-        first_s=("seconds", "median"), first_sps=("samples_per_s", "median"))
+        first_s=("seconds", "median"), **{f"first_{c}": spec for c, spec in rates.items()})
     last = train.sort_values("epoch", kind="stable").groupby(keys, sort=False, dropna=False)["val_accuracy"].last()
     inf = df.loc[phase == "inference", keys + ["epoch", "seconds"]]
-    infer = steady_inference(df).groupby(keys, sort=False, dropna=False)["seconds"].median().rename("infer_s")
+    passes = steady_inference(df)
+    passes = passes.assign(sps=passes["samples"] / passes["seconds"])
+    infer = passes.groupby(keys, sort=False, dropna=False)[["seconds", "sps", *_RATE_COLUMNS]].median()
+    infer.columns = ["infer_s", "infer_sps"] + [f"infer_{c}" for c in _RATE_COLUMNS]
     infer_first = inf[inf["epoch"] == 1].groupby(keys, sort=False, dropna=False)["seconds"].median()
+    # A cell-level value on every row of the repeat: the largest is the one (inf: not reached).
+    tta = df.groupby(keys, sort=False, dropna=False)["time_to_accuracy_s"].max().rename("tta_s")
     status = repeat_status(df)
-    out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer], axis=1)
+    out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer, tta], axis=1)
     out["status"] = out["status"].fillna("ok")
     # With a single epoch there is no steady state; its throughput is all there is.
-    out["samples_per_s"] = out["samples_per_s"].fillna(out.pop("first_sps"))
+    for c in rates:
+        out[c] = out[c].fillna(out.pop(f"first_{c}"))
     out = out.sort_index()
     out["timed"] = timed_repeats(out["status"])
     return out
@@ -362,17 +395,19 @@ def summarize(df: pd.DataFrame) -> Summary:
     timed = reps[reps["timed"]]
     level = list(range(len(GROUP_KEYS)))
     by_group = timed.groupby(level=level, sort=False)
-    med = by_group[["first_s", "steady_s", "samples_per_s", "val_accuracy", "infer_first_s", "infer_s"]].median()
+    med = by_group[["first_s", "steady_s", "samples_per_s", "val_accuracy", "infer_first_s", "infer_s",
+                    "infer_sps"]].median()
     med.index.names = GROUP_KEYS
     groups = groups.join(med)
     groups["timed_from"] = by_group["status"].agg(
         lambda s: "ok" if (s == STATUSES[0]).all() else "failed").reindex(groups.index).fillna("")
     groups["steady_n"] = by_group["steady_s"].count().reindex(groups.index).fillna(0).astype(int)
     groups["infer_n"] = by_group["infer_s"].count().reindex(groups.index).fillna(0).astype(int)
-    for name, col in (("steady", "steady_s"), ("infer", "infer_s"), ("sps", "samples_per_s")):
+    for name, col in (("steady", "steady_s"), ("infer", "infer_s"), ("sps", "samples_per_s"),
+                      ("infer_sps", "infer_sps")):
         iv = _intervals(timed, col, groups.index)
         groups[f"{name}_low"], groups[f"{name}_high"] = iv["low"], iv["high"]
-        if name != "sps":
+        if name in ("steady", "infer"):
             groups[f"{name}_interval"] = iv["kind"].fillna("")
     # The spread is over the individual epochs / passes of the timed repeats.
     keep = df.set_index(GROUP_KEYS + REPEAT_KEYS).index.isin(timed.index)
@@ -385,5 +420,56 @@ def summarize(df: pd.DataFrame) -> Summary:
     parity = df.loc[(df["phase"] == "parity") & df["steps"].isna()].groupby(GROUP_KEYS, sort=False, dropna=False)[
         ["parity_max_abs", "parity_max_rel"]].max()
     groups = groups.join(parity)
+    groups = _with_rates(groups, df, by_group)
+    groups = _with_tta(groups, timed)
     return Summary(groups=groups[SUMMARY_COLUMNS], repeats=reps)
+
+
+def peak_text(peak_flops: float, source: str, precision: str) -> str:
+    """``0.4 TFLOP/s fp32 (--peak-tflops)``: one peak MFU was measured against."""
+    where = f" ({source})" if source else ""
+    return f"{peak_flops / 1e12:.3g} TFLOP/s {precision or 'fp32'}{where}"
+
+
+def _with_rates(groups: pd.DataFrame, df: pd.DataFrame, by_group: Any) -> pd.DataFrame:
+    """MFU and achieved FLOP/s (medians over the timed repeats), FLOPs per sample, and the peak(s)
+    each group's MFU is against: ``peak`` names them all, ``peak_flops`` is NaN unless there is one."""
+    cols = list(_RATE_COLUMNS) + [f"infer_{c}" for c in _RATE_COLUMNS]
+    med = by_group[cols].median()
+    med.index.names = GROUP_KEYS
+    groups = groups.join(med)
+    timed_phase = df[df["phase"].isin(["train_epoch", "inference"])]
+    groups["flops_per_sample"] = _column(timed_phase, "flops_per_sample").groupby(
+        [timed_phase[k] for k in GROUP_KEYS], sort=False).max().reindex(groups.index)
+    peaks = pd.DataFrame({"peak_flops": _column(timed_phase, "peak_flops"),
+                          "source": timed_phase.get("peak_source", pd.Series("", index=timed_phase.index)),
+                          "precision": timed_phase.get("precision", pd.Series("", index=timed_phase.index))})
+    peaks[GROUP_KEYS] = timed_phase[GROUP_KEYS]
+    peaks = peaks[peaks["peak_flops"] > 0].fillna({"source": "", "precision": ""}).drop_duplicates()
+    if not len(peaks):
+        groups["peak"], groups["peak_flops"] = "", math.nan
+        return groups
+    peaks["text"] = [peak_text(f, str(src), str(prec)) for f, src, prec in
+                     zip(peaks["peak_flops"], peaks["source"], peaks["precision"])]
+    by_peak = peaks.groupby(GROUP_KEYS, sort=False)
+    groups["peak"] = by_peak["text"].agg(lambda t: "; ".join(sorted(set(t)))).reindex(groups.index).fillna("")
+    single = by_peak["peak_flops"].agg(lambda v: v.iloc[0] if v.nunique() == 1 else math.nan)
+    groups["peak_flops"] = single.reindex(groups.index)
+    return groups
+
+
+def _with_tta(groups: pd.DataFrame, timed: pd.DataFrame) -> pd.DataFrame:
+    """Time to accuracy of the timed repeats that reached the target (median, interval, count) and
+    how many of them did not (``inf``): those cannot be timed."""
+    level = list(range(len(GROUP_KEYS)))
+    tta = timed["tta_s"]
+    reached = tta[np.isfinite(tta)]
+    groups["tta_s"] = reached.groupby(level=level, sort=False).median().reindex(groups.index)
+    iv = _intervals(reached.to_frame(), "tta_s", groups.index)
+    groups["tta_low"], groups["tta_high"], groups["tta_interval"] = iv["low"], iv["high"], iv["kind"].fillna("")
+    counts = {"tta_reached": np.isfinite(tta), "tta_missed": np.isinf(tta)}
+    for name, mask in counts.items():
+        groups[name] = mask.groupby(level=level, sort=False).sum().reindex(groups.index).fillna(0).astype(int)
+    groups["tta_n"] = groups["tta_reached"]
+    return groups
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from .stats import CI_LABEL, CONTEXT_KEYS, RANGE_LABEL, label
+from .stats import CI_LABEL, CONTEXT_KEYS, METRICS, RANGE_LABEL, TTA, label
 
 
 def short_message(message: str, width: int = 160) -> str:
@@ -44,6 +44,13 @@ def _interval_head(frame: pd.DataFrame, prefix: str) -> tuple[str, bool]:
     return f"{CI_LABEL} or range", len(kinds) > 1
 
 
+def _pct(x: Any) -> str:
+    """MFU as a percentage with 3 significant digits (``0.108%``, ``45.2%``), ``n/a`` when unknown."""
+    if x is None or pd.isna(x) or not math.isfinite(x):
+        return "n/a"
+    return f"{x * 100:#.3g}%"
+
+
 def _spread(x: float) -> str:
     return "n/a" if not math.isfinite(x) else f"±{x * 100:.1f}%"
 
@@ -54,8 +61,13 @@ def vs_cell(row: pd.Series, prefix: str) -> str:
     return str(row[f"{prefix}_text"])
 
 
-def repeats_cell(row: pd.Series) -> str:
-    """``3``, or ``2 ok + 1 crashed`` when some repeats failed (they are left out of the timings)."""
+def repeats_cell(row: pd.Series, tta: bool = False) -> str:
+    """``3``, or ``2 ok + 1 crashed`` when some repeats failed (they are left out of the timings);
+    with ``tta``, ``2 reached + 1 not reached`` (+ the failed ones): a repeat that never reached the
+    target accuracy has no time to accuracy."""
+    if tta and row.timed_from == "ok" and row.tta_reached + row.tta_missed > 0:
+        text = f"{row.tta_reached} reached" + (f" + {row.tta_missed} not reached" if row.tta_missed else "")
+        return text + (f" + {row.failed}" if row.failed else "")
     if not row.failed:
         return str(row.repeats)
     return f"{row.ok_repeats} ok + {row.failed}"
@@ -65,38 +77,84 @@ def _label(key: tuple) -> str:
     return label(key[2], key[3])
 
 
-def convention(baseline: str = "baseline") -> str:
-    """The one convention of every ``vs`` cell, stated once above the tables."""
-    return (f"vs {baseline}: speed-up = {baseline}'s time / this time (>1: faster), with its 95% CI "
+def convention(baseline: str = "baseline", metric: str = "epoch-time") -> str:
+    """The one convention of every ``vs`` cell, and the metric that ranks training, stated once
+    above the tables."""
+    text = (f"vs {baseline}: speed-up = {baseline}'s time / this time (>1: faster), with its 95% CI "
             "(Welch's t on log per-repeat times); 'faster'/'slower' only where the CI leaves 1 out. "
             "Timings come from ok repeats only.")
+    if metric == TTA:
+        text += ("\nTraining is ranked on time to accuracy: the training seconds (epoch times summed, first "
+                 "epoch included) until the validation accuracy first reached the workload's "
+                 "target_accuracy; a repeat that never reached it has no time and is counted apart.")
+    else:
+        text += "\nTraining is ranked on the steady epoch time (median of the epochs after the first)."
+    return text
 
 
-def _train_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+def _shows_mfu(frame: pd.DataFrame, prefix: str) -> bool:
+    """Whether the rows carry achieved FLOP/s at all (files before MFU do not): then a column."""
+    col = "achieved_flops" if prefix == "train" else "infer_achieved_flops"
+    return bool(frame[col].notna().any())
+
+
+def _train_rows(frame: pd.DataFrame, metric: str = "epoch-time") -> tuple[list[str], list[list[str]]]:
     base = frame["baseline"].iloc[0] or "baseline"
-    ci_head, mixed = _interval_head(frame, "steady")
-    head = ["", "backend", "status", "repeats", "1st epoch s", "steady s", ci_head, "samples/s", "val acc",
-            "parity err", f"vs {base}"]
-    rows = [["*" if r.fastest_train else "", _label(k), r.status, repeats_cell(r), _num(r.first_s),
-             _num(r.steady_s), _interval(r, "steady", mixed), _num(r.samples_per_s, ",.0f"),
-             _num(r.val_accuracy, ".4f"), _num(r.parity_max_abs, ".1e"), vs_cell(r, "train")]
-            for k, r in frame.iterrows()]
+    mfu = _shows_mfu(frame, "train")
+    tta = metric == TTA
+    ci_head, mixed = _interval_head(frame, "tta" if tta else "steady")
+    head = ["", "backend", "status", "repeats"]
+    head += ["time to acc s", ci_head, "steady s"] if tta else ["1st epoch s", "steady s", ci_head]
+    head += ["samples/s"] + (["MFU"] if mfu else []) + ["val acc", "parity err", f"vs {base}"]
+    rows = []
+    for k, r in frame.iterrows():
+        row = ["*" if r.fastest_train else "", _label(k), r.status, repeats_cell(r, tta)]
+        row += ([_num(r.tta_s), _interval(r, "tta", mixed), _num(r.steady_s)] if tta else
+                [_num(r.first_s), _num(r.steady_s), _interval(r, "steady", mixed)])
+        row += [_num(r.samples_per_s, ",.0f")] + ([_pct(r.mfu)] if mfu else [])
+        row += [_num(r.val_accuracy, ".4f"), _num(r.parity_max_abs, ".1e"), vs_cell(r, "train")]
+        rows.append(row)
     return head, rows
 
 
 def _infer_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     base = frame["baseline"].iloc[0] or "baseline"
     ci_head, mixed = _interval_head(frame, "infer")
-    head = ["", "backend", "status", "repeats", "1st pass s", "median s", "spread", ci_head, f"vs {base}"]
+    mfu = _shows_mfu(frame, "infer")
+    head = ["", "backend", "status", "repeats", "1st pass s", "median s", "spread", ci_head]
+    head += (["MFU"] if mfu else []) + [f"vs {base}"]
     rows = [["*" if r.fastest_infer else "", _label(k), r.status, repeats_cell(r), _num(r.infer_first_s),
-             _num(r.infer_s), _spread(r.infer_spread), _interval(r, "infer", mixed), vs_cell(r, "infer")]
+             _num(r.infer_s), _spread(r.infer_spread), _interval(r, "infer", mixed)]
+            + ([_pct(r.infer_mfu)] if mfu else []) + [vs_cell(r, "infer")]
             for k, r in frame.iterrows()]
     return head, rows
 
 
-def _fastest_line(frame: pd.DataFrame) -> str:
+def mfu_line(frame: pd.DataFrame) -> str:
+    """What MFU is measured against in one section, said once: one peak, each group's own when
+    they differ, and the groups with no known peak (their MFU is n/a)."""
+    measured = frame[frame["achieved_flops"].notna() | frame["infer_achieved_flops"].notna()]
+    if measured.empty:
+        return ""
+    peaks = {_label(k): p for k, p in measured["peak"].items() if p}
+    missing = [_label(k) for k, p in measured["peak"].items() if not p]
+    parts = []
+    if len(set(peaks.values())) == 1:
+        parts.append(f"MFU = achieved FLOP/s / a peak of {next(iter(peaks.values()))}")
+    elif peaks:
+        parts.append("MFU = achieved FLOP/s / each backend's own peak (they differ): "
+                     + "; ".join(f"{name} {peak}" for name, peak in peaks.items()))
+    if missing:
+        parts.append(f"MFU n/a for {', '.join(missing)}: no peak known (give --peak-tflops)")
+    if peaks:
+        parts.append("a training sample counts 3x its forward FLOPs")
+    return "; ".join(parts)
+
+
+def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time") -> str:
     parts, notes = [], []
-    for prefix, col, what in (("train", "steady_s", "training"), ("infer", "infer_s", "inference")):
+    train_what = "time to accuracy" if metric == TTA else "training"
+    for prefix, col, what in (("train", METRICS[metric], train_what), ("infer", "infer_s", "inference")):
         timed = frame[frame[col].notna()]
         if timed.empty:
             continue
@@ -162,19 +220,21 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(head), "|" + "|".join(align) + "|"] + [line(r) for r in rows])
 
 
-def _text(groups: pd.DataFrame, table: Callable[[list[str], list[list[str]]], str], markdown: bool) -> str:
-    blocks = [convention()]
+def _text(groups: pd.DataFrame, table: Callable[[list[str], list[list[str]]], str], markdown: bool,
+          metric: str = "epoch-time") -> str:
+    blocks = [convention(metric=metric)]
     for title, what, frame in _contexts(groups):
         parts = [f"### {title}" if markdown else f"== {title} =="]
-        if what:
-            parts.append(what)
+        about = [line for line in (what, mfu_line(frame)) if line]
+        if about:
+            parts.append(("\n\n" if markdown else "\n").join(about))
         trains = frame[~frame["inference_only"].astype(bool)]
         timed_infer = frame["infer_s"].notna().any()
         if len(trains) and (trains[["first_s", "steady_s"]].notna().any(axis=None) or not timed_infer):
-            parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains))]
+            parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains, metric))]
         if timed_infer or not len(trains):
             parts += ["**Inference**" if markdown else "Inference", table(*_infer_rows(frame))]
-        parts.append(_fastest_line(frame))
+        parts.append(_fastest_line(frame, metric))
         blocks.append(("\n\n" if markdown else "\n").join(parts))
     return "\n\n".join(blocks) + "\n"
 
@@ -190,19 +250,19 @@ def records(groups: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
-def render(groups: pd.DataFrame, fmt: str, warnings: list[str]) -> str:
+def render(groups: pd.DataFrame, fmt: str, warnings: list[str], metric: str = "epoch-time") -> str:
     """Render ``groups`` (from ``compare.rank``) as table, markdown, csv or json; json holds the
-    warnings too, the other formats leave them to the caller."""
+    metric and the warnings too, the other formats leave the warnings to the caller."""
     if fmt == "table":
-        return _text(groups, _aligned, markdown=False)
+        return _text(groups, _aligned, markdown=False, metric=metric)
     if fmt == "markdown":
-        return _text(groups, _markdown, markdown=True)
+        return _text(groups, _markdown, markdown=True, metric=metric)
     if fmt == "csv":
         buf = io.StringIO()
         pd.DataFrame(records(groups)).to_csv(buf, index=False)
         return buf.getvalue()
     if fmt == "json":
-        return json.dumps({"groups": records(groups), "warnings": warnings}, indent=2) + "\n"
+        return json.dumps({"metric": metric, "groups": records(groups), "warnings": warnings}, indent=2) + "\n"
     raise ValueError(f"unknown format {fmt!r}")
 
 

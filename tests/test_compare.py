@@ -5,6 +5,7 @@ Every CSV here is written by the real ``results.CsvWriter`` from known distribut
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -29,11 +30,15 @@ def write_cells(writer: results.CsvWriter, backend: str, steady: float, *, repea
                 run_id: str = "run1", workload_hash: str = "h1", backend_version: str = "1.0",
                 parity: float = 1e-7, statuses: Optional[dict[int, str]] = None, samples: int = 1000,
                 test_samples: int = 500, first_pass: Optional[float] = None, inference_only: bool = False,
-                **env: Any) -> None:
+                flops: Optional[float] = None, peak: Optional[tuple[float, str]] = None,
+                tta: Optional[list[float]] = None, **env: Any) -> None:
     """Rows of ``repeats`` fresh-process repeats whose steady epoch time is ``steady`` * (1 + noise * N(0, 1)).
 
     ``statuses`` gives some repeats their own status (e.g. {3: "crashed"}); a crashed, timed-out or
     interrupted repeat has one epoch of 1/10 the time (a partial epoch) and a ``run`` row.
+    ``flops`` (forward FLOPs per sample) gives timed rows achieved_flops as the runner writes them
+    (training 3x), and ``peak`` = (FLOP/s, source) their mfu; ``tta`` is each repeat's
+    time_to_accuracy_s (inf: not reached), on every row of the repeat as the runner writes it.
     """
     rng = np.random.default_rng(seed)
     infer = steady / 4 if infer is None else infer
@@ -43,6 +48,17 @@ def write_cells(writer: results.CsvWriter, backend: str, steady: float, *, repea
                                     backend=backend, backend_version=backend_version, device=device, mode=mode,
                                     repeat=rep, status=rep_status, inference_only=inference_only)
         base.update(env)
+        if peak is not None:
+            base.update(peak_flops=peak[0], peak_source=peak[1])
+        if tta is not None:
+            base["time_to_accuracy_s"] = tta[rep - 1]
+
+        def rates(phase: str, rate: float) -> dict[str, Any]:
+            if flops is None:
+                return {}
+            achieved = (3 if phase == "train_epoch" else 1) * flops * rate
+            return {"achieved_flops": achieved, "mfu": achieved / peak[0] if peak else None}
+
         writer.write(dict(base, phase="build", epoch=0, seconds=0.05, params=1000))
         writer.write(dict(base, phase="parity", epoch=0, seconds=0.01, parity_max_abs=parity,
                           parity_max_rel=parity * 10))
@@ -60,12 +76,13 @@ def write_cells(writer: results.CsvWriter, backend: str, steady: float, *, repea
             loss = float("nan") if rep_status == "nan_loss" and epoch > 1 else 2.0 / epoch
             writer.write(dict(base, phase="train_epoch", epoch=epoch, samples=samples, seconds=seconds,
                               samples_per_s=samples / seconds, loss=loss, accuracy=0.9, val_loss=loss,
-                              val_accuracy=0.5 + 0.1 * epoch))
+                              val_accuracy=0.5 + 0.1 * epoch, **rates("train_epoch", samples / seconds)))
         for n in range(1, passes + 1):
             seconds = rep_infer * (1 + 0.005 * float(rng.standard_normal()))
             if n == 1 and first_pass is not None:
                 seconds = first_pass
-            writer.write(dict(base, phase="inference", epoch=n, samples=test_samples, seconds=seconds))
+            writer.write(dict(base, phase="inference", epoch=n, samples=test_samples, seconds=seconds,
+                              samples_per_s=test_samples / seconds, **rates("inference", test_samples / seconds)))
 
 
 def groups_json(paths: list[Path], **kw: Any) -> tuple[dict[str, dict[str, Any]], compare.CompareOutcome]:
@@ -554,3 +571,182 @@ def test_backends_asked_for_the_same_device_are_compared(tmp_path: Path) -> None
     groups, _ = groups_json([path], baseline="tensorflow")
     assert set(groups) == {"tensorflow", "plaidml"}  # one mode each: no ":mode" suffix
     assert groups["plaidml"]["train_verdict"] == "slower" and 0.45 < groups["plaidml"]["train_ratio"] < 0.55
+
+
+# --- MFU, batch-size sweeps, time to accuracy (issue 13) -----------------------------------------
+
+PEAK = (0.4e12, "--peak-tflops")
+PROBE = (0.43e12, "torch GEMM probe (cached 2026-11-21)")
+
+
+def _section(text: str, title_part: str) -> str:
+    """One section of the table text, from its ``==`` title line to the next."""
+    blocks = re.split(r"^(?=== )", text, flags=re.M)
+    return next(b for b in blocks if b.startswith("==") and title_part in b.splitlines()[0])
+
+
+def _column(text: str, table: str, head: str, backend: str) -> str:
+    """The cell under ``head`` in ``backend``'s row of the Training or Inference table."""
+    lines = text.split(f"\n{table}\n")[1].splitlines()
+    header = lines[0]
+    start = header.index(head)
+    row = next(ln for ln in lines[2:] if ln.lstrip("* ").startswith(backend + " "))
+    # right-aligned numbers end where their header ends
+    end = start + len(head)
+    return row[:end].split()[-1]
+
+
+def test_mfu_is_the_median_over_repeats_of_steady_epochs_and_passes(tmp_path: Path) -> None:
+    path = tmp_path / "mfu.csv"
+    write_cells(results.CsvWriter(path), "numpy", 2.0, repeats=3, flops=2e6, peak=PEAK)
+    rows = pd.read_csv(path)
+    steady = rows[(rows["phase"] == "train_epoch") & (rows["epoch"] >= 2)].groupby("repeat")["mfu"].median()
+    passes = rows[(rows["phase"] == "inference") & (rows["epoch"] >= 2)].groupby("repeat")["mfu"].median()
+    groups, out = groups_json([path])
+    numpy = groups["numpy"]
+    assert numpy["mfu"] == pytest.approx(steady.median()) and numpy["infer_mfu"] == pytest.approx(passes.median())
+    # a training sample is 3x its forward FLOPs: MFU follows from samples/s and the peak
+    assert numpy["mfu"] == pytest.approx(3 * 2e6 * numpy["samples_per_s"] / 0.4e12)
+    assert numpy["peak"] == "0.4 TFLOP/s fp32 (--peak-tflops)" and numpy["peak_flops"] == 0.4e12
+    text = compare.run_compare([str(path)]).text
+    assert "MFU = achieved FLOP/s / a peak of 0.4 TFLOP/s fp32 (--peak-tflops)" in text
+    assert _column(text, "Training", "MFU", "numpy") == f"{steady.median() * 100:#.3g}%"
+    assert _column(text, "Inference", "MFU", "numpy") == f"{passes.median() * 100:#.3g}%"
+
+
+def test_mfu_says_when_peaks_differ_or_are_unknown(tmp_path: Path) -> None:
+    path = tmp_path / "peaks.csv"
+    w = results.CsvWriter(path)
+    write_cells(w, "numpy", 2.0, flops=2e6, peak=PEAK, seed=1)
+    write_cells(w, "torch", 1.0, flops=2e6, peak=PROBE, seed=2)
+    write_cells(w, "tensorflow", 1.5, flops=2e6, seed=3)  # no probe and no --peak-tflops
+    text = compare.run_compare([str(path)]).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("MFU"))
+    assert "each backend's own peak (they differ)" in line
+    assert "numpy 0.4 TFLOP/s fp32 (--peak-tflops)" in line
+    assert "torch 0.43 TFLOP/s fp32 (torch GEMM probe (cached 2026-11-21))" in line
+    assert "MFU n/a for tensorflow: no peak known" in line
+    assert _column(text, "Training", "MFU", "tensorflow") == "n/a"
+    assert _column(text, "Training", "MFU", "torch").endswith("%")
+
+
+def test_files_before_mfu_have_no_mfu_column(two_x: Path) -> None:
+    text = compare.run_compare([str(two_x)]).text
+    assert "MFU" not in text
+
+
+def test_batch_sizes_are_separate_sections_with_no_ratio_between_them(tmp_path: Path) -> None:
+    """``run --batch-size 32 --batch-size 64``: one definition per batch size, labelled by it."""
+    path = tmp_path / "sweep.csv"
+    w = results.CsvWriter(path)
+    for i, batch in enumerate((32, 64)):
+        for j, (backend, t) in enumerate((("numpy", 2.0), ("torch", 1.0))):
+            write_cells(w, backend, t / (1 + i), repeats=3, workload_hash=f"h{batch}", seed=10 * i + j,
+                        flops=2e6, peak=PEAK,
+                        definition=f"train=512 val=256 test=256 epochs=4 batch={batch} infer_batch={batch} "
+                                   "seed=0 data=synthetic")
+    out = compare.run_compare([str(path)])
+    sections = _sections(out.text)
+    assert len(sections) == 2
+    assert re.match(r"mnist \(batch 32[,)]", sections[0]) and re.match(r"mnist \(batch 64[,)]", sections[1])
+    # within a batch size torch is compared with numpy; across batch sizes nothing is
+    for section in (_section(out.text, "batch 32"), _section(out.text, "batch 64")):
+        assert len(_VS.findall(section)) == 2  # torch's training and inference cells only
+        assert "MFU = achieved FLOP/s / a peak of 0.4 TFLOP/s fp32" in section
+
+
+def _tta_file(tmp_path: Path) -> Path:
+    """torch's epochs are 2x quicker than numpy's, but it needs more of them: on time to accuracy
+    it is about 2x slower. jax never reaches the target; tensorflow reaches it in 3 of 4 repeats."""
+    path = tmp_path / "tta.csv"
+    w = results.CsvWriter(path)
+    write_cells(w, "numpy", 2.0, repeats=4, seed=1, tta=[6.0, 6.2, 5.9, 6.1])
+    write_cells(w, "torch", 1.0, repeats=4, seed=2, tta=[12.0, 12.5, 11.8, 12.2])
+    write_cells(w, "jax", 0.5, repeats=3, seed=3, tta=[math.inf] * 3)
+    write_cells(w, "tensorflow", 1.5, repeats=4, seed=4, tta=[3.0, math.inf, 3.1, 2.9])
+    return path
+
+
+def test_time_to_accuracy_ranks_on_its_own_per_repeat_values(tmp_path: Path) -> None:
+    path = _tta_file(tmp_path)
+    by_epoch, _ = groups_json([path], baseline="numpy")
+    assert by_epoch["torch"]["train_verdict"] == "faster"  # its epochs are quicker
+    groups, out = groups_json([path], baseline="numpy", metric="time-to-accuracy")
+    torch = groups["torch"]
+    assert torch["train_verdict"] == "slower" and 0.45 < torch["train_ratio"] < 0.55
+    assert torch["train_ratio_high"] < 1
+    assert torch["tta_s"] == pytest.approx(np.median([12.0, 12.5, 11.8, 12.2]))
+    assert torch["infer_verdict"] == "faster"  # inference is ranked on inference time as before
+    tf = groups["tensorflow"]
+    assert (tf["tta_reached"], tf["tta_missed"]) == (3, 1) and tf["tta_s"] == pytest.approx(3.0)
+    assert tf["train_verdict"] == "faster" and tf["fastest_train"]
+    jax = groups["jax"]
+    assert jax["train_verdict"] == "not ranked (target not reached)" and not jax["fastest_train"]
+    assert jax["train_ratio"] is None
+    assert json.loads(out.text)["metric"] == "time-to-accuracy"
+
+
+def test_time_to_accuracy_table_states_the_metric_and_counts_unreached_repeats(tmp_path: Path) -> None:
+    path = _tta_file(tmp_path)
+    out = compare.run_compare([str(path)], baseline="numpy", metric="time-to-accuracy")
+    text = out.text
+    assert "Training is ranked on time to accuracy" in text.splitlines()[1]
+    assert "time to acc s" in text
+    tf_row = next(ln for ln in text.split("\nTraining\n")[1].splitlines() if " tensorflow " in ln)
+    assert "3 reached + 1 not reached" in tf_row and tf_row.startswith("*")
+    jax_row = next(ln for ln in text.split("\nTraining\n")[1].splitlines() if " jax " in ln)
+    assert "0 reached + 3 not reached" in jax_row and "not ranked (target not reached)" in jax_row
+    assert "fastest correct (*): time to accuracy tensorflow (3.000 s" in text
+    assert any("fewer than 3 repeats reached the target accuracy" in w and "mnist/cpu/jax (0 reached)" in w
+               for w in out.warnings)
+    assert "Training is ranked on the steady epoch time" in compare.run_compare([str(path)]).text
+
+
+def test_time_to_accuracy_default_baseline_reached_the_target(tmp_path: Path) -> None:
+    path = tmp_path / "base.csv"
+    w = results.CsvWriter(path)
+    write_cells(w, "tensorflow", 1.0, repeats=3, seed=1, tta=[math.inf] * 3)  # first in registry order
+    write_cells(w, "torch", 1.0, repeats=3, seed=2, tta=[4.0, 4.1, 3.9])
+    groups, out = groups_json([path], metric="time-to-accuracy")
+    assert groups["torch"]["train_verdict"] == "baseline"
+    assert groups["tensorflow"]["train_verdict"] == "not ranked (target not reached)"
+    _, named = groups_json([path], metric="time-to-accuracy", baseline="tensorflow")
+    assert any("the baseline tensorflow never reached the target accuracy" in w for w in named.warnings)
+
+
+def test_time_to_accuracy_needs_the_column_and_a_known_metric(two_x: Path) -> None:
+    with pytest.raises(ResultsError, match=r"^no time_to_accuracy_s in these results: declare "
+                                           r"checks.target_accuracy in the workload$"):
+        compare.run_compare([str(two_x)], metric="time-to-accuracy")
+    with pytest.raises(ResultsError, match="metric must be one of epoch-time, time-to-accuracy"):
+        compare.run_compare([str(two_x)], metric="wall-time")
+
+
+def test_a_candidate_that_never_reached_the_target_fails_regression(tmp_path: Path) -> None:
+    path = _tta_file(tmp_path)
+    out = compare.run_compare([str(path)], baseline="numpy", candidate=("jax",), fail_on_regression=1.5,
+                              metric="time-to-accuracy")
+    assert out.exit_code == compare.EXIT_CANDIDATE_FAILED
+    assert any(w.startswith("candidate failed: mnist/cpu/jax never reached the target accuracy")
+               for w in out.warnings)
+    slow = compare.run_compare([str(path)], baseline="numpy", candidate=("torch",), fail_on_regression=1.5,
+                               metric="time-to-accuracy")
+    assert slow.exit_code == compare.EXIT_REGRESSION
+    assert any(w.startswith("regression: mnist/cpu/torch time to accuracy is") for w in slow.warnings)
+
+
+def test_cli_metric_option(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from benchbackend.cli import main
+
+    if "--metric" not in CliRunner().invoke(main, ["compare", "--help"]).output:
+        pytest.skip("cli.py's compare has no --metric option yet")
+    path = _tta_file(tmp_path)
+    done = CliRunner().invoke(main, ["compare", str(path), "--metric", "time-to-accuracy", "--baseline", "numpy"])
+    assert done.exit_code == 0, done.output
+    assert "time to acc s" in done.output
+    missing = tmp_path / "none.csv"
+    write_cells(results.CsvWriter(missing), "numpy", 1.0)
+    failed = CliRunner().invoke(main, ["compare", str(missing), "--metric", "time-to-accuracy"])
+    assert failed.exit_code == 2 and "declare checks.target_accuracy" in failed.output

@@ -1,6 +1,7 @@
 """Plots: the figures hold the expected series, failed backends are marked, files are written."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,136 @@ def test_importing_plots_does_not_import_matplotlib() -> None:
     code = "import sys; import benchbackend.plots; print('matplotlib' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+# --- batch-size sweeps and MFU (issue 13) ----------------------------------------------------------
+
+SWEEP = {"numpy": 1000.0, "torch": 4000.0}
+PEAK = 0.4e12
+FLOPS = 2e6  # forward FLOPs per sample
+
+
+def _sweep(path: Path, batches: tuple[int, ...] = (16, 32, 64, 128), rates: Optional[dict] = None,
+           peaks: Optional[dict] = None, failed: Optional[dict] = None, limit: int = 512) -> pd.DataFrame:
+    """A ``--batch-size`` sweep as the runner writes it: one definition per batch size; samples/s
+    grows with the batch as rate * sqrt(batch / 16); achieved_flops and mfu as the runner computes
+    them (training 3x the forward FLOPs). ``failed`` = {(backend, batch): status}."""
+    rng = np.random.default_rng(1)
+    w = results.CsvWriter(path)
+    for batch in batches:
+        for backend, rate in (rates or SWEEP).items():
+            peak = (peaks or {}).get(backend, PEAK)
+            status = (failed or {}).get((backend, batch), "ok")
+            for rep in range(1, 4):
+                base: dict[str, Any] = dict(
+                    ENV, run_id="r", workload="mnist", workload_hash=f"h{batch}-{limit}", backend=backend,
+                    backend_version="2.1", device="cpu", repeat=rep, status=status, threads=8,
+                    data_source="synthetic", flops_per_sample=FLOPS, peak_flops=peak, peak_source="--peak-tflops",
+                    precision="fp32", definition=f"train={limit} val=256 test=256 epochs=3 batch={batch} "
+                                                 f"infer_batch={batch} seed=0 data=synthetic")
+                speed = rate * math.sqrt(batch / 16)
+                for epoch in range(1, 4):
+                    sps = speed * (1 + 0.03 * float(rng.standard_normal()))
+                    w.write(dict(base, phase="train_epoch", epoch=epoch, samples=limit, seconds=limit / sps,
+                                 samples_per_s=sps, loss=2.0 / epoch, val_accuracy=0.5 + 0.1 * epoch,
+                                 achieved_flops=3 * FLOPS * sps, mfu=3 * FLOPS * sps / peak))
+                for n in range(1, 4):
+                    sps = 4 * speed * (1 + 0.03 * float(rng.standard_normal()))
+                    w.write(dict(base, phase="inference", epoch=n, samples=256, seconds=256 / sps, samples_per_s=sps,
+                                 achieved_flops=FLOPS * sps, mfu=FLOPS * sps / peak))
+    return results.for_comparison(results.read(path))
+
+
+def _curves(ax: Any) -> dict[str, Any]:
+    """The data line of each labelled error-bar series, by label."""
+    from matplotlib.container import ErrorbarContainer
+
+    return {c.get_label(): c.lines[0] for c in ax.containers if isinstance(c, ErrorbarContainer)}
+
+
+def test_batch_sweep_draws_throughput_against_batch_size(tmp_path: Path) -> None:
+    df = _sweep(tmp_path / "s.csv")
+    figs = dict(plots.figures(df))
+    assert {"mnist-cpu-batch-train", "mnist-cpu-batch-inference"} <= set(figs)
+    groups = stats.summarize(df).groups
+    ax = figs["mnist-cpu-batch-train"].axes[0]
+    assert ax.get_xlabel() == "training batch size" and "samples/s" in ax.get_ylabel()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "32", "64", "128"]
+    assert ax.get_xscale() == "log"
+    # one line per backend; its points are the groups' median samples/s, in batch order
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["numpy", "torch"]
+    curves = _curves(ax)
+    assert set(curves) == {"numpy", "torch"}
+    for backend, line in curves.items():
+        expected = [groups.xs(backend, level="backend")["samples_per_s"][groups.xs(backend, level="backend")[
+            "definition"].str.contains(f" batch={b} ")].iloc[0] for b in (16, 32, 64, 128)]
+        assert list(line.get_xdata()) == [16, 32, 64, 128]
+        assert np.allclose(line.get_ydata(), expected)
+    assert len({(ln.get_marker(), ln.get_linestyle()) for ln in curves.values()}) == 2
+    infer = figs["mnist-cpu-batch-inference"].axes[0]
+    assert infer.get_xlabel() == "inference batch size"
+    top = max(max(ln.get_ydata()) for ln in _curves(infer).values())
+    assert top > 4 * 4000  # inference samples/s, not training's
+
+
+def test_one_peak_gives_an_mfu_axis_that_reads_the_mfu(tmp_path: Path) -> None:
+    df = _sweep(tmp_path / "s.csv")
+    groups = stats.summarize(df).groups
+    figs = dict(plots.figures(df))
+    ax = figs["mnist-cpu-batch-train"].axes[0]
+    (mfu_axis,) = ax.child_axes
+    assert "MFU (%)" in mfu_axis.get_ylabel() and "0.4 TFLOP/s fp32 (--peak-tflops)" in mfu_axis.get_ylabel()
+    factor, peak = plots.mfu_scale(groups, "samples_per_s", "mfu")
+    assert factor == pytest.approx(3 * FLOPS / PEAK)  # MFU per sample/s: 3x forward FLOPs over the peak
+    row = groups.iloc[0]
+    assert row["samples_per_s"] * factor == pytest.approx(row["mfu"])
+    assert not any(t.get_text().endswith("%") for t in ax.texts)
+
+
+def test_different_peaks_label_each_point_with_its_mfu(tmp_path: Path) -> None:
+    df = _sweep(tmp_path / "s.csv", peaks={"torch": 0.8e12})
+    groups = stats.summarize(df).groups
+    assert plots.mfu_scale(groups, "samples_per_s", "mfu") is None
+    ax = dict(plots.figures(df))["mnist-cpu-batch-train"].axes[0]
+    assert not ax.child_axes
+    labels = sorted(t.get_text() for t in ax.texts if t.get_text().endswith("%"))
+    expected = sorted(f"{m * 100:#.3g}%" for m in groups["mfu"])
+    assert labels == expected and len(labels) == 8
+    assert "labels: MFU" in ax.get_title()
+
+
+def test_a_failed_batch_size_is_marked_off_the_line(tmp_path: Path) -> None:
+    df = _sweep(tmp_path / "s.csv", failed={("torch", 64): "nan_loss"})
+    ax = dict(plots.figures(df))["mnist-cpu-batch-train"].axes[0]
+    torch_line = _curves(ax)["torch"]
+    ys = np.asarray(torch_line.get_ydata(), dtype=float)
+    assert list(torch_line.get_xdata()) == [16, 32, 64, 128]
+    assert list(np.isfinite(ys)) == [True, True, False, True]  # the line breaks there
+    crosses = [ln for ln in ax.lines if ln.get_marker() == "x"]
+    assert len(crosses) == 1 and list(crosses[0].get_xdata()) == [64]
+    assert crosses[0].get_color() == plots.FAILED_COLOR
+    assert any(t.get_text() == "torch\n[nan_loss]" for t in ax.texts)
+
+
+def test_no_sweep_no_batch_figure_and_sweeps_of_other_definitions_apart(tmp_path: Path) -> None:
+    single = _sweep(tmp_path / "one.csv", batches=(32,))
+    assert not any("batch" in stem for stem, _ in plots.figures(single))
+    a = _sweep(tmp_path / "a.csv", batches=(32, 64), limit=512)
+    b = _sweep(tmp_path / "b.csv", batches=(32, 64), limit=1024)
+    both = results.for_comparison(pd.concat([a, b], ignore_index=True).drop(columns="experiment"))
+    figs = dict(plots.figures(both))
+    sweeps = sorted(stem for stem in figs if stem.startswith("mnist-cpu-batch"))
+    assert sweeps == ["mnist-cpu-batch-1-inference", "mnist-cpu-batch-1-train",
+                      "mnist-cpu-batch-2-inference", "mnist-cpu-batch-2-train"]
+    titles = [figs[s].axes[0].get_title().replace("\n", " ") for s in sweeps if s.endswith("train")]
+    assert "train=1024" in titles[0] and "train=512" in titles[1]
+
+
+def test_throughput_bars_carry_their_mfu(tmp_path: Path) -> None:
+    df = _sweep(tmp_path / "s.csv", batches=(32,))
+    groups = stats.summarize(df).groups
+    ax = plots.throughput_figure(groups, "t").axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    for mfu in groups["mfu"]:
+        assert any(t.endswith(f"MFU {mfu * 100:#.3g}%") for t in texts), texts
+    assert len(ax.child_axes) == 1 and "MFU (%)" in ax.child_axes[0].get_ylabel()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -144,3 +145,60 @@ def test_five_repeats_range_would_not_be_an_honest_95_ci() -> None:
     samples = np.exp(0.1 * rng.standard_normal((SIMULATIONS, 5)))
     covered = np.mean((samples.min(axis=1) <= 1.0) & (1.0 <= samples.max(axis=1)))
     assert covered < 0.95
+
+
+# --- MFU and time to accuracy per repeat (issue 13) ------------------------------------------------
+
+def _rows(tmp_path: Any, epochs: int, tta: list[float], peak: float = 0.5e12) -> Any:
+    """Rows of three repeats as the runner writes them: epoch e of repeat r runs at 100*r*e
+    samples/s; time_to_accuracy_s is the repeat's cell-level value on every row."""
+    from benchbackend import results
+
+    w = results.CsvWriter(tmp_path / "r.csv")
+    for rep, reached in enumerate(tta, start=1):
+        base = dict(run_id="r", workload="mnist", workload_hash="h", backend="numpy", device="cpu", repeat=rep,
+                    status="ok", peak_flops=peak, peak_source="--peak-tflops", time_to_accuracy_s=reached)
+        for epoch in range(1, epochs + 1):
+            sps = 100.0 * rep * epoch
+            w.write(dict(base, phase="train_epoch", epoch=epoch, samples=100, seconds=100 / sps, samples_per_s=sps,
+                         achieved_flops=3e6 * sps, mfu=3e6 * sps / peak, val_accuracy=0.5))
+        for n in range(1, 4):
+            sps = 1000.0 * rep * n
+            w.write(dict(base, phase="inference", epoch=n, samples=50, seconds=50 / sps, samples_per_s=sps,
+                         achieved_flops=1e6 * sps, mfu=1e6 * sps / peak))
+    return results.read(w.path)
+
+
+def _by_repeat(df: Any) -> Any:
+    """``stats.per_repeat`` of one group, indexed by repeat number."""
+    return stats.per_repeat(stats.with_experiment(df)).droplevel([0, 1, 2, 3, 4])
+
+
+def test_mfu_per_repeat_is_of_the_steady_epochs_and_passes(tmp_path: Any) -> None:
+    reps = _by_repeat(_rows(tmp_path, epochs=4, tta=[1.0, 2.0, 3.0]))
+    for rep in (1, 2, 3):
+        steady = np.median([100.0 * rep * e for e in (2, 3, 4)])
+        assert reps.loc[rep, "samples_per_s"] == pytest.approx(steady)
+        assert reps.loc[rep, "mfu"] == pytest.approx(3e6 * steady / 0.5e12)
+        assert reps.loc[rep, "infer_mfu"] == pytest.approx(1e6 * np.median([2000.0 * rep, 3000.0 * rep]) / 0.5e12)
+        assert reps.loc[rep, "infer_sps"] == pytest.approx(np.median([2000.0 * rep, 3000.0 * rep]))
+
+
+def test_one_epoch_mfu_is_the_first_epochs(tmp_path: Any) -> None:
+    reps = _by_repeat(_rows(tmp_path, epochs=1, tta=[1.0, 2.0, 3.0]))
+    assert list(reps["mfu"]) == pytest.approx([3e6 * 100.0 * r / 0.5e12 for r in (1, 2, 3)])
+
+
+def test_time_to_accuracy_counts_unreached_repeats_apart(tmp_path: Any) -> None:
+    summary = stats.summarize(_rows(tmp_path, epochs=2, tta=[4.0, math.inf, 6.0]))
+    group = summary.groups.iloc[0]
+    assert (group["tta_reached"], group["tta_missed"]) == (2, 1)
+    assert group["tta_s"] == pytest.approx(5.0)  # the median of the repeats that reached it
+    assert (group["tta_low"], group["tta_high"], group["tta_interval"]) == (4.0, 6.0, stats.RANGE_LABEL)
+    assert list(summary.samples(summary.groups.index[0], "tta_s")) == [4.0, 6.0]
+    assert group["peak"] == "0.5 TFLOP/s fp32 (--peak-tflops)" and group["peak_flops"] == 0.5e12
+
+
+def test_no_target_means_no_time_to_accuracy(tmp_path: Any) -> None:
+    group = stats.summarize(_rows(tmp_path, epochs=2, tta=[math.nan] * 3)).groups.iloc[0]
+    assert math.isnan(group["tta_s"]) and group["tta_reached"] == group["tta_missed"] == 0
