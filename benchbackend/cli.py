@@ -228,12 +228,17 @@ def list_(no_probe: bool, markdown: bool) -> None:
               show_default=True)
 @click.option("--plots", type=click.Path(file_okay=False), help="Write PNG plots and an index.html to this folder.")
 @click.option("--skip-bad", is_flag=True, help="Skip unreadable or invalid files (with a warning) instead of failing.")
+@click.option("--metric", type=click.Choice(["epoch-time", "time-to-accuracy"]), default="epoch-time",
+              show_default=True,
+              help="What ranks the training table: the steady epoch time, or the time to accuracy (training seconds "
+                   "until the validation accuracy first reached the workload's checks.target_accuracy; repeats "
+                   "that never reached it are counted apart, and a backend where none did is not ranked).")
 @click.option("--fail-on-regression", type=click.FloatRange(min=1.0), metavar="FACTOR",
               help="Exit 3 when a --candidate (default: every non-baseline backend) is slower than the baseline "
                    "by more than FACTOR and significantly so (its 95% CI lies below 1); exit 4 when a "
                    "candidate is not ok (crashed, NaN loss, ...).")
 def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[str, ...], fmt: str,
-            plots: Optional[str], skip_bad: bool, fail_on_regression: Optional[float]) -> None:
+            plots: Optional[str], skip_bad: bool, metric: str, fail_on_regression: Optional[float]) -> None:
     """Compare results: which backend is faster, by how much, whether it is significant, and correct.
 
     Rows are compared only within one experiment definition (workload hash: model, training, sizes
@@ -241,11 +246,14 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
     workload are separate sections, labelled by what differs, e.g. "mnist (limit 1024)".
     Each "vs BASELINE" cell is the speed-up BASELINE's time / this time (>1: faster) with its 95% CI
     (Welch's t on log per-repeat times); "faster"/"slower" only where the CI leaves 1 out. Only ok
-    repeats feed the timings.
+    repeats feed the timings. MFU (achieved FLOP/s over the recorded peak) is shown beside
+    throughput; a --batch-size sweep gives one section per batch size and a throughput-vs-batch
+    figure with --plots.
 
     \b
     Examples:
       benchbackend compare results/*.csv
+      benchbackend compare results/tta.csv --metric time-to-accuracy
       benchbackend compare results/a.csv results/b.csv --baseline tensorflow --format markdown
       benchbackend compare results/*.csv --plots report/
     """
@@ -253,7 +261,7 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
 
     try:
         outcome = cmp.run_compare(list(paths), baseline=baseline, candidate=candidate, fmt=fmt,
-                                  skip_bad=skip_bad, fail_on_regression=fail_on_regression)
+                                  skip_bad=skip_bad, fail_on_regression=fail_on_regression, metric=metric)
         if plots is not None and outcome.frame is not None:
             from . import plots as plotting
 

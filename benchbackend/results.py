@@ -300,6 +300,9 @@ def experiments(df: "Any") -> "Any":
             differ = [f for f in names if len({got[f] for got in fields.values()}) > 1]
             if "train" in differ:
                 differ = [f for f in differ if f not in _IMPLIED]
+            # --batch-size sets both batch sizes: infer_batch is named only when it differs on its own
+            if "batch" in differ and all(got.get("infer_batch") == got.get("batch") for got in fields.values()):
+                differ = [f for f in differ if f != "infer_batch"]
             for key, got in fields.items():
                 parts = [f"{_FIELD_NAMES.get(f, f)} {got[f]}" for f in differ if f in got]
                 labels[key] = (f"{workload} ({', '.join(parts)})" if parts and key[1] else

@@ -94,8 +94,9 @@ def definition(w: Workload, source: str) -> str:
     """What defines the measured work, readably (``workload_hash`` is its digest): compare labels
     groups of one workload by the fields that differ."""
     d, t = w.data, w.training
+    target = f" target_acc={w.checks.target_accuracy:g}" if w.checks.target_accuracy is not None else ""
     return (f"train={d.train} val={d.validation} test={d.test} epochs={t.epochs} batch={t.batch_size} "
-            f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}")
+            f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}{target}")
 
 
 class Runner:
