@@ -37,8 +37,11 @@ def _arrays(tmp: Path, w: W.Workload) -> str:
     return str(path)
 
 
-def _run(tmp: Path, name: str, mode: str, limit: int = 256, **options: Any) -> list[dict[str, Any]]:
+def _run(tmp: Path, name: str, mode: str, limit: int = 256, test: int = 0, **options: Any) -> list[dict[str, Any]]:
     w = W.load(name).with_overrides(limit=limit, epochs=1)
+    if test:  # --limit keeps 256 test samples; fewer here, and two passes
+        w = w.model_copy(update={"data": w.data.model_copy(update={"test": test}),
+                                 "inference": w.inference.model_copy(update={"repeats": 2})})
     rows: list[dict[str, Any]] = []
     run_job({"workload": w.to_dict(), "backend": "tvm", "target": TARGET, "mode": mode, "precision": "fp32",
              "device": "cpu", "repeat": 0, "data": _arrays(tmp, w), "trains": False, "parity_steps": 0,
@@ -71,7 +74,9 @@ def tuned_rows(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> list[di
 
 @pytest.mark.parametrize("name", ["mnist", "cifar10"])
 def test_default_mode_matches_the_reference(tmp_path: Path, name: str) -> None:
-    rows = _run(tmp_path, name, "default")
+    # Untuned Relax kernels on CPU are plain loops (cifar10: ~20 samples/s on two cores), so
+    # cifar10 gets a tiny test split: one full batch and a padded one.
+    rows = _run(tmp_path, name, "default", **({"test": 40} if name == "cifar10" else {}))
     _assert_parity(rows, name)
     (build,) = _phase(rows, "build")
     assert "target llvm -mcpu=" in build["message"] and "-num-cores=" in build["message"]
@@ -124,10 +129,11 @@ def test_tuned_mode_searches_writes_the_database_and_matches_the_reference(tuned
                                                                           cache: Path) -> None:
     _assert_parity(tuned_rows, "mnist")
     (tune,) = _phase(tuned_rows, "tune")
-    assert tune["message"].startswith(f"searched {TRIALS} trials over ") and tune["seconds"] > 0
     (folder,) = (cache / "tvm").iterdir()
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["trials"] == TRIALS and summary["records"] > 0
+    assert summary["trials"] == TRIALS and 0 < summary["records"] <= TRIALS
+    assert tune["message"].startswith(f"searched {summary['records']} trials (budget {TRIALS}) over ")
+    assert tune["seconds"] > 0
     records = (folder / "records.json").read_text().splitlines()
     assert len(records) == summary["records"]
     assert not list((cache / "tvm").glob("*.*")), "no scratch folder is left behind"

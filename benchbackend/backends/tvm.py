@@ -171,10 +171,10 @@ class TVMBackend(Backend):
         started = time.perf_counter()
         if (folder / "summary.json").is_file():
             summary = json.loads((folder / "summary.json").read_text())
-            what = f"reused database {folder} ({summary['trials']} trials over {summary['tasks']} tasks)"
+            what = f"reused database {folder} ({summary['records']} trials over {summary['tasks']} tasks)"
         else:
             summary = self._search(folder, trials)
-            what = (f"searched {summary['trials']} trials over {summary['tasks']} tasks in "
+            what = (f"searched {summary['records']} trials (budget {summary['trials']}) over {summary['tasks']} tasks in "
                     f"{summary['seconds']:.1f} s (cost model {summary['cost_model']}); database {folder}")
         searched = time.perf_counter() - started
         database = ms.database.JSONDatabase(str(folder / "workloads.json"), str(folder / "records.json"),
