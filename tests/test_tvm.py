@@ -154,3 +154,8 @@ def test_a_second_tune_reuses_the_database(tuned_rows: list[dict[str, Any]], cac
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     # Another budget is another database.
     assert backend.database_dir(TRIALS * 2) != folder
+    # --limit and --epochs change nothing the kernels see: the same database; another batch is another.
+    other_size = TVMBackend(w.with_overrides(limit=512, epochs=3), "cpu", "tuned")
+    assert other_size.database_dir(TRIALS) == folder
+    other_batch = TVMBackend(w.with_overrides(batch_size=64), "cpu", "tuned")
+    assert other_batch.database_dir(TRIALS) != folder

@@ -120,6 +120,12 @@ BACKENDS: dict[str, BackendSpec] = {
                     modes=(Mode("latency", "PERFORMANCE_HINT=LATENCY: one stream, one batch at a time"),
                            Mode("throughput", "PERFORMANCE_HINT=THROUGHPUT: batches in flight on parallel streams")),
                     precisions=("fp32", "bf16"), trains=False),
+        BackendSpec("tvm", _adapter("tvm", "TVMBackend"), "tvm", "apache-tvm", "pip install 'benchbackend[tvm]'",
+                    "Apache TVM 0.27 Relax compiled for the host CPU (llvm -mcpu=<detected>)",
+                    modes=(Mode("default", "Relax default pipeline for llvm -mcpu=<host>; no schedule search"),
+                           Mode("tuned", "MetaSchedule search (--tune-trials), database cached per model, batch "
+                                         "and target, then recompiled")),
+                    trains=False, devices=("cpu",)),
         BackendSpec("chainer", _adapter("chainer", "ChainerBackend"), "chainer", "chainer",
                     "benchbackend setup chainer", "Chainer 7.8.1 in its own env (NumPy on CPU; CuPy GPU if present)",
                     modes=(Mode("define-by-run", "a Chain whose forward pass builds the graph on every call"),

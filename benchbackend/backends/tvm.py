@@ -185,9 +185,13 @@ class TVMBackend(Backend):
         return f"{what}; compiled with it in {compiled:.1f} s"
 
     def database_dir(self, trials: int) -> Path:
-        """Cache folder of the tuning database: workload definition x target x trial budget."""
-        digest = hashlib.sha256(str(self.target).encode()).hexdigest()[:12]
-        return cache_dir() / "tvm" / f"{self.workload.name}-{self.workload.hash()}-{digest}-t{trials}"
+        """Cache folder of the tuning database: what the kernels depend on (the layers, the input
+        shape, the compiled batch) x target x trial budget. Not the whole workload hash: --limit or
+        --epochs change nothing the compiled kernels see, and must not force a new search."""
+        w = self.workload
+        kernels = json.dumps([w.model_dump(mode="json")["model"], list(w.input_shape), w.inference.batch_size])
+        digest = hashlib.sha256((kernels + str(self.target)).encode()).hexdigest()[:12]
+        return cache_dir() / "tvm" / f"{w.name}-{digest}-t{trials}"
 
     def _search(self, folder: Path, trials: int) -> dict[str, Any]:
         assert self._mod is not None
