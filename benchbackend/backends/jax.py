@@ -20,7 +20,6 @@ to bfloat16 inside the step, and the loss and the update are fp32.
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
@@ -111,10 +110,10 @@ def _update(optimizer: str, lr: float, momentum: float, params: Params, grads: P
         b1, b2, eps = 0.9, 0.999, 1e-7
         t = state["t"] + 1
         tf = t.astype(jnp.float32)
-        # Keras: epsilon is added to sqrt(v) before the bias correction, which goes into the step size.
-        # 1 - b^t as -expm1(t log b), log b taken in float64: 1 - 0.999**t in float32 is off by 1e-5
-        # at t=1, which 20 Adam steps amplify past the trajectory check's tolerance.
-        alpha = lr * jnp.sqrt(-jnp.expm1(tf * math.log(b2))) / -jnp.expm1(tf * math.log(b1))
+        # Keras: epsilon is added to sqrt(v) before the bias correction, which goes into the step
+        # size, computed in float32 as Keras does (1 - 0.999**t in float32 is 1e-5 off the exact
+        # value at t=1, and 20 Adam steps on cifar10 amplify that to 5e-3 in the loss).
+        alpha = lr * jnp.sqrt(1 - b2 ** tf) / (1 - b1 ** tf)
         m = [m + (g - m) * (1 - b1) for m, g in zip(state["m"], grads)]
         v = [v + (g * g - v) * (1 - b2) for v, g in zip(state["v"], grads)]
         new = [p - alpha * mi / (jnp.sqrt(vi) + eps) for p, mi, vi in zip(params, m, v)]
@@ -161,6 +160,10 @@ class JaxBackend(Backend):
         if self.k < 1:
             raise BackendUnavailable(f"jax: steps_per_execution must be >= 1; got {spe}")
         self.compute = jnp.bfloat16 if precision == "bf16" else jnp.float32
+        # XLA:CPU runs a rolled while-loop body several times slower than the same step jitted
+        # alone (measured 4-6x on mnist); unrolled, the block runs as fast as K jitted steps or
+        # faster. GPUs and TPUs run the rolled loop well and compile it once.
+        self.unroll = self.k if self.device.platform == "cpu" else 1
         self._pending: Any = None  # the newest array this adapter produced, for sync()
 
     # --- identity -----------------------------------------------------------------------------
@@ -181,6 +184,7 @@ class JaxBackend(Backend):
         out = {"platform": self.device.platform}
         if self.mode == "scan":
             out["steps_per_execution"] = str(self.k)
+            out["scan_unroll"] = str(self.unroll)
         if self.precision == "bf16":
             out["compute"] = "bfloat16 (fp32 parameters, loss and update)"
         return out
@@ -223,15 +227,18 @@ class JaxBackend(Backend):
 
         @partial(jax.jit, donate_argnums=(0, 1, 2))
         def train_block(params, opt, acc, x, y, first, key, s0):
-            def body(carry, j):
+            k = self.k
+            xs = lax.dynamic_slice_in_dim(x, first * bs, k * bs).reshape((k, bs) + x.shape[1:])
+            ys = lax.dynamic_slice_in_dim(y, first * bs, k * bs).reshape(k, bs)
+
+            def body(carry, batch):
                 p, o, a = carry
-                b = first + j  # batch index within the epoch; s0 + b is the global step
-                xb = lax.dynamic_slice_in_dim(x, b * bs, bs)
-                yb = lax.dynamic_slice_in_dim(y, b * bs, bs)
-                p, o, a, _ = step(p, o, a, xb, yb, key_at(key, s0 + b))
+                xb, yb, j = batch  # j: batch index within the epoch; s0 + j is the global step
+                p, o, a, _ = step(p, o, a, xb, yb, key_at(key, s0 + j))
                 return (p, o, a), None
 
-            (params, opt, acc), _ = lax.scan(body, (params, opt, acc), jnp.arange(self.k, dtype=jnp.int32))
+            steps = first + jnp.arange(k, dtype=jnp.int32)
+            (params, opt, acc), _ = lax.scan(body, (params, opt, acc), (xs, ys, steps), unroll=self.unroll)
             return params, opt, acc
 
         @jax.jit

@@ -16,7 +16,6 @@ comes from ``scores`` (``model.predict``) and is computed by the harness, not by
 """
 from __future__ import annotations
 
-import os
 from typing import Any, ClassVar, Optional, Sequence
 
 import keras
