@@ -28,6 +28,19 @@ def _torch_env(device: str) -> dict[str, str]:
     return {}
 
 
+def _jax_env(device: str) -> dict[str, str]:
+    # A cpu cell never starts JAX's GPU backend (which would claim 75% of the GPU's memory).
+    return {"JAX_PLATFORMS": "cpu"} if device == "cpu" else {}
+
+
+def _keras_jax_env(device: str) -> dict[str, str]:
+    return {"KERAS_BACKEND": "jax", **_jax_env(device)}
+
+
+def _keras_torch_env(device: str) -> dict[str, str]:
+    return {"KERAS_BACKEND": "torch", "KERAS_TORCH_DEVICE": "cpu" if device == "cpu" else "cuda"}
+
+
 def _plaidml_env(device: str) -> dict[str, str]:
     # Configure PlaidML without plaidml-setup and without touching ~/.plaidml: experimental
     # devices (llvm_cpu) are enabled; the adapter picks the device id itself.
@@ -109,6 +122,20 @@ BACKENDS: dict[str, BackendSpec] = {
                     "TensorFlow 2 / Keras 3 (CPU, GPU)",
                     modes=(Mode("tf.function", "Keras 3 model, a traced tf.function train step per batch shape"),),
                     env=_tf_env, devices=("cpu", "gpu", "cuda", "/GPU:N")),
+        BackendSpec("jax", _adapter("jax", "JaxBackend"), "jax", "jax", "pip install 'benchbackend[jax]'",
+                    "JAX / XLA (CPU; GPU with jax[cuda12]; TPU with jax[tpu])",
+                    modes=(Mode("jit", "lax/jnp layers, one jitted train step per batch"),
+                           Mode("scan", "K train steps per dispatch in lax.scan (K = --steps-per-execution)")),
+                    precisions=("fp32", "bf16"), env=_jax_env, devices=("cpu", "gpu", "tpu")),
+        BackendSpec("keras-jax", _adapter("keras3", "KerasJaxBackend"), "keras", "keras",
+                    "pip install 'benchbackend[keras3]'", "Keras 3 on JAX (CPU, GPU, TPU)",
+                    modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, jit_compile per Keras default "
+                                       "(XLA)"),),
+                    env=_keras_jax_env, devices=("cpu", "gpu", "tpu")),
+        BackendSpec("keras-torch", _adapter("keras3", "KerasTorchBackend"), "keras", "keras",
+                    "pip install 'benchbackend[keras3,torch]' torch==2.13.0", "Keras 3 on PyTorch (CPU, CUDA)",
+                    modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, eager torch per Keras default"),),
+                    env=_keras_torch_env),
         BackendSpec("onnxruntime", _adapter("onnxruntime", "OnnxRuntimeBackend"), "onnxruntime", "onnxruntime",
                     "pip install 'benchbackend[onnxruntime]' (onnxruntime-gpu on CUDA machines)",
                     "ONNX Runtime on the spec's ONNX graph (CPU, CUDA)",
