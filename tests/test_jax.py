@@ -47,13 +47,14 @@ def arrays(w: Workload) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     return data.normalize(ds.x_train), ds.y_train, data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed)
 
 
-# cifar10 is Adam, and Keras computes Adam's step size lr*sqrt(1-b2^t)/(1-b1^t) in float32 (1e-5 off
-# at t=1) where the reference uses float64; 20 steps amplify that past 1e-3. A reference with
-# Keras' float32 step size brings Keras on JAX to 8e-7; this adapter (Keras' formula) to ~1e-3.
-ADAM_STEP_SIZE = pytest.mark.xfail(reason="reference Adam step size is float64, Keras' is float32", strict=False)
+# Known gap, left visible: with the reference's Adam step size now in float32 as Keras computes it,
+# Keras on JAX and on torch follow the cifar10 reference for 20 steps, but this adapter drifts to
+# 1.0e-3 at step 14 (a jump at step 7 that the others do not show); the cause is not found yet.
+JAX_CIFAR10_DRIFT = pytest.mark.xfail(reason="jax adapter drifts to 1e-3 at step 14 on cifar10 (Adam); "
+                                             "keras-jax and torch do not: cause not found", strict=False)
 
 
-@pytest.mark.parametrize("name", ["mnist", pytest.param("cifar10", marks=ADAM_STEP_SIZE)])
+@pytest.mark.parametrize("name", ["mnist", pytest.param("cifar10", marks=JAX_CIFAR10_DRIFT)])
 def test_forward_parity_and_a_20_step_trajectory_agree_with_the_reference(tmp_path, name):
     w = small(name)
     _, rows = run(tmp_path, w, parity_steps=20)

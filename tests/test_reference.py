@@ -180,13 +180,17 @@ def test_sgd_matches_hand_computation() -> None:
 
 def test_adam_matches_hand_computation() -> None:
     lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-7
+    f32 = np.float32  # Keras computes the step size in the variables' dtype
     w, m, v, expected = 1.0, 0.0, 0.0, []
     for t, g in enumerate(GRADS, start=1):
         m, v = 0.1 * g + 0.9 * m, 0.001 * g * g + 0.999 * v
-        w -= lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m / (math.sqrt(v) + eps)
+        step = float(f32(lr) * np.sqrt(f32(1) - f32(b2) ** f32(t)) / (f32(1) - f32(b1) ** f32(t)))
+        w -= step * m / (math.sqrt(v) + eps)
         expected.append(w)
     assert expected[0] == pytest.approx(1.0 - 0.1, abs=1e-5)  # Adam's first step is ~lr * sign(g)
     assert run_optimizer(ops.Adam(lr), GRADS) == pytest.approx(expected, rel=1e-12)
+    exact = lr * math.sqrt(1 - b2) / (1 - b1)
+    assert ops.keras_adam_step_size(lr, b1, b2, 1) / exact == pytest.approx(1 - 6.4e-6, abs=1e-6)
 
 
 def test_rmsprop_matches_hand_computation() -> None:

@@ -7,7 +7,6 @@ NHWC activations, HWIO conv kernels, ``(in, out)`` dense kernels. Forward functi
 """
 from __future__ import annotations
 
-import math
 from types import ModuleType
 from typing import Any, Optional, Protocol, Sequence
 
@@ -199,9 +198,21 @@ class SGD:
             p += v
 
 
+def keras_adam_step_size(lr: float, beta_1: float, beta_2: float, t: int) -> float:
+    """Keras 3 Adam's ``lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)``, computed in float32 as Keras does."""
+    f = np.float32
+    with np.errstate(all="ignore"):
+        return float(f(lr) * np.sqrt(f(1) - f(beta_2) ** f(t)) / (f(1) - f(beta_1) ** f(t)))
+
+
 class Adam:
     """Keras 3 Adam: epsilon is added to sqrt(v) *before* bias correction is folded into the step
-    size (``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``), which differs from torch.optim.Adam."""
+    size (``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``), which differs from torch.optim.Adam.
+
+    Keras computes that step size in the variables' dtype, float32, where 0.999 is 0.99900001287:
+    ``1 - b2^1`` comes out 1.3e-5 (relative) below 0.001. So does this reference, also in float64
+    mode; computed exactly instead, 20 cifar10 steps drift 5e-3 from Keras while agreeing to 1e-6
+    with it computed in float32 (see :func:`keras_adam_step_size`)."""
 
     def __init__(self, lr: float, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7):
         self.lr, self.beta_1, self.beta_2, self.epsilon = lr, beta_1, beta_2, epsilon
@@ -214,7 +225,7 @@ class Adam:
             self.m = [get_array_module(p).zeros_like(p) for p in params]
             self.v = [get_array_module(p).zeros_like(p) for p in params]
         self.t += 1
-        alpha = self.lr * math.sqrt(1 - self.beta_2 ** self.t) / (1 - self.beta_1 ** self.t)
+        alpha = keras_adam_step_size(self.lr, self.beta_1, self.beta_2, self.t)
         for p, g, m, v in zip(params, grads, self.m, self.v):
             xp = get_array_module(p)
             m += (g - m) * (1 - self.beta_1)
