@@ -1,7 +1,15 @@
-"""TensorFlow adapter: a Keras 3 model trained by a compiled ``tf.function`` step over in-memory tensors."""
+"""TensorFlow adapter: a Keras 3 model trained by a compiled ``tf.function`` step over in-memory tensors.
+
+Modes: ``tf.function`` (graph step, TF's own kernels) and ``xla`` (the same steps with
+``jit_compile=True``). Precisions: ``fp32``; ``bf16`` through Keras' ``mixed_bfloat16`` policy,
+per layer (float32 variables, bfloat16 compute; the final softmax and the loss in float32).
+"""
 from __future__ import annotations
 
+import functools
+import math
 import os
+import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -10,10 +18,23 @@ import tensorflow as tf
 import keras
 
 from ..errors import BackendUnavailable
-from ..workload import Workload
+from ..model import final_softmax
+from ..workload import ActivationLayer, Workload
 from .base import Backend
 from .keras_layers import keras_layers
 
+_POLICY = {"fp32": "float32", "bf16": "mixed_bfloat16"}
+
+
+class _PolicyLayers:
+    """``keras.layers`` whose layers are made under one dtype policy (no global policy is set,
+    so nothing leaks to other models in the process)."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+
+    def __getattr__(self, name: str) -> Any:
+        return functools.partial(getattr(keras.layers, name), dtype=self.policy)
 
 
 class TensorFlowBackend(Backend):
@@ -36,6 +57,10 @@ class TensorFlowBackend(Backend):
             self.device = "/GPU:0" if device in ("gpu", "cuda") else device
         else:
             raise BackendUnavailable(f"tensorflow: unknown device '{device}'; use cpu or gpu")
+        if precision not in _POLICY:
+            raise BackendUnavailable(f"tensorflow: precision '{precision}' is not supported; use fp32 or bf16")
+        self.policy = _POLICY[precision]
+        self.jit = mode == "xla"
 
     @classmethod
     def probe(cls) -> dict:
@@ -54,10 +79,25 @@ class TensorFlowBackend(Backend):
         gpus = tf.config.list_physical_devices("GPU")
         return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu") if gpus else ""
 
+    def details(self) -> dict[str, Any]:
+        return {"dtype_policy": self.policy} if self.policy != "float32" else {}
+
     # --- model ------------------------------------------------------------------------------
     def _model(self, dropout: bool = True) -> keras.Model:
         inputs = [keras.Input(shape=self.workload.input_shape)]
-        return keras.Sequential(inputs + keras_layers(self.workload, keras.layers, dropout))
+        if self.policy == "float32":
+            return keras.Sequential(inputs + keras_layers(self.workload, keras.layers, dropout))
+        layers = keras_layers(self.workload, _PolicyLayers(self.policy), dropout)
+        if final_softmax(self.workload.model):
+            # Keras' mixed-precision advice: the output softmax in float32, so that the
+            # probabilities and the loss are not rounded to bfloat16's 8 bits.
+            if isinstance(self.workload.model[-1], ActivationLayer):
+                layers[-1] = keras.layers.Activation("softmax", dtype="float32")
+            else:
+                config = {**layers[-1].get_config(), "activation": "linear"}
+                layers[-1] = type(layers[-1]).from_config(config)
+                layers.append(keras.layers.Activation("softmax", dtype="float32"))
+        return keras.Sequential(inputs + layers)
 
     def _optimizer(self) -> keras.optimizers.Optimizer:
         t = self.workload.training
@@ -82,11 +122,12 @@ class TensorFlowBackend(Backend):
         model, opt, loss_fn = self.model, self.opt, self.loss_fn
         # No input_signature: each batch shape (full, and the last short one) gets its own trace
         # with static shapes, which TF's CPU kernels run measurably faster (5-9% on cifar10) than
-        # a single trace with an unknown batch dimension.
-        @tf.function
-        def train_step(x, y):
+        # a single trace with an unknown batch dimension (and XLA compiles static shapes only).
+        # ``training`` is a Python bool: the trajectory check runs this same step, dropout off.
+        @tf.function(jit_compile=self.jit)
+        def train_step(x, y, training=True):
             with tf.GradientTape() as tape:
-                probs = model(x, training=True)
+                probs = tf.cast(model(x, training=training), tf.float32)
                 loss = loss_fn(tf.one_hot(y, nc), probs)
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables))
@@ -94,9 +135,9 @@ class TensorFlowBackend(Backend):
             # that cost 3-5% of a cifar10 step on CPU.
             return loss, tf.reduce_sum(tf.cast(tf.argmax(probs, 1) == y, tf.int32))
 
-        @tf.function
+        @tf.function(jit_compile=self.jit)
         def predict_step(x):
-            return model(x, training=False)
+            return tf.cast(model(x, training=False), tf.float32)
 
         self._train_step, self._predict_step = train_step, predict_step
 
@@ -145,13 +186,33 @@ class TensorFlowBackend(Backend):
             return tf.concat([self._predict_step(x[s:s + batch_size]) for s in range(0, n, batch_size)], 0)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
-        nc = self.workload.num_classes
         losses = []
-        for xb, yb in batches:
-            with tf.device(self.device), tf.GradientTape() as tape:
-                probs = self.model(tf.constant(xb, tf.float32), training=False)  # dropout off
-                loss = self.loss_fn(tf.one_hot(yb, nc), probs)
-            grads = tape.gradient(loss, self.model.trainable_variables)
-            self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
-            losses.append(float(loss.numpy()))
+        with tf.device(self.device):
+            for xb, yb in batches:
+                loss, _ = self._train_step(tf.constant(xb, tf.float32), tf.constant(yb, tf.int64), training=False)
+                losses.append(float(loss.numpy()))
         return losses
+
+    def gemm_peak(self, precision: str) -> float:
+        """Best FLOP/s of a square matmul (n=2048 on CPU, 8192 on GPU) in ``precision``, synced.
+
+        Eager ops, not a tf.function: grappler would merge the identical matmuls of a graph.
+        Runs about 1-2 s.
+        """
+        dtype = {"fp32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}[precision]
+        n, reps = (8192, 10) if self.device.startswith("/GPU") else (2048, 2)
+        with tf.device(self.device):
+            a = tf.cast(tf.random.stateless_uniform((n, n), seed=(0, 1)), dtype)
+            b = tf.cast(tf.random.stateless_uniform((n, n), seed=(0, 2)), dtype)
+            tf.matmul(a, b)[:1, :1].numpy()  # warm-up: kernel selection, thread pool
+            best, spent = math.inf, 0.0
+            for trial in range(20):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    c = tf.matmul(a, b)
+                c[:1, :1].numpy()  # waits for the queued matmuls (one stream, in order)
+                dt = time.perf_counter() - t0
+                best, spent = min(best, dt), spent + dt
+                if trial >= 2 and spent > 1.5:
+                    break
+        return 2.0 * n ** 3 * reps / best

@@ -1,7 +1,17 @@
-"""PyTorch adapter: a plain training loop over tensors already on the device."""
+"""PyTorch adapter: a plain training loop over tensors already on the device.
+
+Modes: ``eager`` (NCHW, the default), ``channels_last`` (model and inputs in
+``torch.channels_last``, oneDNN's preferred layout on CPU) and ``compile`` (``torch.compile`` of
+the model; the optimizer step stays eager, as its per-step Keras epsilon would recompile a
+compiled step). Modes combine with ``+`` (``compile+channels_last``) for benchmarks. Precisions:
+``fp32``; ``bf16`` (``torch.autocast``, fp32 master weights and optimizer state); ``fp16``
+(autocast with a ``GradScaler``, CUDA only).
+"""
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -15,6 +25,11 @@ from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool
 from .base import Backend
 
 _ACT = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
+_AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Distinct graphs torch.compile may keep per cell: train/eval x every batch shape (training,
+#: short last batch, parity, validation, inference). Past dynamo's default (8) it would silently
+#: fall back to eager.
+_COMPILE_GRAPHS = 64
 
 
 def _activation(name: str, last: bool) -> list[nn.Module]:
@@ -42,6 +57,18 @@ class TorchBackend(Backend):
             self.device = torch.device("cuda:0" if device in ("gpu", "cuda") else device)
         else:
             raise BackendUnavailable(f"torch: unknown device '{device}'; use cpu, gpu or cuda:N")
+        if precision not in _AMP:
+            raise BackendUnavailable(f"torch: precision '{precision}' is not supported; use fp32, bf16 or fp16")
+        if precision == "fp16" and self.device.type != "cuda":
+            # CPU autocast has float16 kernels for few ops and GradScaler is a CUDA tool: bf16 is
+            # the CPU's reduced precision.
+            raise BackendUnavailable("fp16 needs CUDA (autocast float16 + GradScaler); on CPU use --precision bf16")
+        if precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise BackendUnavailable(f"bf16: {torch.cuda.get_device_name(self.device)} has no bfloat16 support")
+        parts = set(mode.split("+"))
+        self.channels_last = "channels_last" in parts
+        self.compiled = "compile" in parts
+        self.amp_dtype = _AMP[precision]
         self.net: nn.Sequential | None = None
 
     @classmethod
@@ -60,6 +87,45 @@ class TorchBackend(Backend):
 
     def threads(self) -> int:
         return torch.get_num_threads()
+
+    def details(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.device.type == "cpu":
+            out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+            if self.amp_dtype is torch.bfloat16:
+                # Without AVX512_BF16/AMX oneDNN emulates bf16, usually slower than fp32.
+                out["onednn_bf16"] = "native" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "emulated"
+        return out
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def gemm_peak(self, precision: str) -> float:
+        """Best FLOP/s of a square matmul (n=2048 on CPU, 8192 on GPU) in ``precision``, synced.
+
+        Runs about 1-2 s. Inputs are of the precision's dtype (no autocast), as a GEMM peak is.
+        """
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        n, reps = (8192, 10) if self.device.type == "cuda" else (2048, 2)
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        a = torch.rand((n, n), generator=gen, device=self.device).to(dtype)
+        b = torch.rand((n, n), generator=gen, device=self.device).to(dtype)
+        with torch.no_grad():
+            torch.mm(a, b)  # warm-up: library init, thread pool, kernel selection
+            self.sync()
+            best, spent = math.inf, 0.0
+            for trial in range(20):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    torch.mm(a, b)
+                self.sync()
+                dt = time.perf_counter() - t0
+                best, spent = min(best, dt), spent + dt
+                if trial >= 2 and spent > 1.5:
+                    break
+        return 2.0 * n ** 3 * reps / best
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -106,7 +172,21 @@ class TorchBackend(Backend):
         return [m for m in self.net if isinstance(m, (nn.Conv2d, nn.Linear))]
 
     def build(self, weights: Sequence[np.ndarray]) -> int:
-        self.net = nn.Sequential(*self._layers()).to(self.device)
+        if self.net is None:
+            self.net = nn.Sequential(*self._layers()).to(self.device)
+            if self.channels_last:
+                self.net = self.net.to(memory_format=torch.channels_last)
+            self.model: nn.Module = self.net
+            if self.compiled:
+                import torch._dynamo as dynamo
+
+                dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, _COMPILE_GRAPHS)
+                # Static shapes: each batch shape gets its own specialized graph, as the
+                # training and inference batch sizes are fixed. Compilation happens on first
+                # use, so it lands in the first epoch and first inference pass.
+                self.model = torch.compile(self.net, dynamic=False)
+        # A second build (after the trajectory check) reloads the weights into the same modules:
+        # a compiled model keeps its graphs.
         self._load(weights)
         t = self.workload.training
         params = self.net.parameters()
@@ -120,15 +200,33 @@ class TorchBackend(Backend):
             # the trajectory check (--parity-steps) shows the difference.
             self.opt = torch.optim.RMSprop(params, lr=t.lr, alpha=0.9, eps=1e-7)
         self._adam_steps = 0
+        # fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range.
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype is torch.float16 else None
         return sum(p.numel() for p in self.net.parameters())
 
-    def _step(self) -> None:
-        if isinstance(self.opt, torch.optim.Adam):
-            # Keras adds eps to sqrt(v) *before* bias correction, torch after: torch's eps
-            # equals Keras' eps / sqrt(1 - beta2^t), so set it per step for the same update.
+    def _backward_step(self, loss: torch.Tensor) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        if self.scaler is None:
+            loss.backward()
+            self._set_eps()
+            self.opt.step()
+            return
+        self.scaler.scale(loss).backward()
+        self._set_eps()
+        self.scaler.step(self.opt)  # skipped when the scaled gradients hold inf/NaN
+        self.scaler.update()
+
+    def _set_eps(self) -> None:
+        if not isinstance(self.opt, torch.optim.Adam):
+            return
+        # Keras adds eps to sqrt(v) *before* bias correction, torch after: torch's eps
+        # equals Keras' eps / sqrt(1 - beta2^t), so set it per step for the same update.
+        if self.scaler is None:
             self._adam_steps += 1
-            self.opt.param_groups[0]["eps"] = 1e-7 / math.sqrt(1.0 - 0.999 ** self._adam_steps)
-        self.opt.step()
+        else:  # GradScaler may skip a step: take t from the optimizer's own count
+            state = self.opt.state.get(self.opt.param_groups[0]["params"][0])
+            self._adam_steps = int(state["step"]) + 1 if state else 1
+        self.opt.param_groups[0]["eps"] = 1e-7 / math.sqrt(1.0 - 0.999 ** self._adam_steps)
 
     def _flatten_perm(self) -> np.ndarray | None:
         shape = flatten_input_shape(self.workload)
@@ -166,6 +264,8 @@ class TorchBackend(Backend):
 
     # --- data -------------------------------------------------------------------------------
     def to_device(self, x: np.ndarray) -> torch.Tensor:
+        if self.channels_last:  # NHWC memory seen as NCHW: channels_last already, no copy
+            return torch.from_numpy(np.ascontiguousarray(x)).permute(0, 3, 1, 2).to(self.device)
         return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).to(self.device)
 
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
@@ -183,11 +283,10 @@ class TorchBackend(Backend):
         losses, preds = [], []
         for start in range(0, len(idx), bs):
             xb, yb = x[start:start + bs], y[start:start + bs]
-            logits = self.net(xb)
-            loss = F.cross_entropy(logits, yb)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self._step()
+            with self._autocast():
+                logits = self.model(xb)
+                loss = F.cross_entropy(logits, yb)  # autocast computes it in float32
+            self._backward_step(loss)
             losses.append(loss.detach())
             preds.append(logits.detach().argmax(1))
         n = len(idx)
@@ -202,17 +301,18 @@ class TorchBackend(Backend):
         self.net.eval()
         if not len(x):
             return torch.zeros((0, self.workload.num_classes), device=self.device)
-        logits = torch.cat([self.net(x[s:s + batch_size]) for s in range(0, len(x), batch_size)])
-        return torch.softmax(logits, dim=1)
+        with self._autocast():
+            logits = torch.cat([self.model(x[s:s + batch_size]) for s in range(0, len(x), batch_size)])
+        return torch.softmax(logits.float(), dim=1)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         assert self.net is not None
         self.net.eval()  # dropout off; there is no layer whose gradient depends on the mode
         losses = []
         for xb, yb in batches:
-            loss = F.cross_entropy(self.net(self.to_device(xb)), torch.from_numpy(yb.astype(np.int64)).to(self.device))
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self._step()
+            with self._autocast():
+                logits = self.model(self.to_device(xb))
+                loss = F.cross_entropy(logits, torch.from_numpy(yb.astype(np.int64)).to(self.device))
+            self._backward_step(loss)
             losses.append(loss.item())
         return losses

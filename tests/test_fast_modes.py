@@ -1,0 +1,160 @@
+"""Fast modes and reduced precisions of the torch and tensorflow adapters, through the worker.
+
+Each cell is a tiny mnist run (512 samples, 1 epoch, 5 trajectory steps) through
+``worker.run_job`` in this process. Every mode must pass forward parity at its precision's
+tolerance and, at fp32, the trajectory check, and must train to the same epoch loss as the
+default mode (the fast paths change the speed, not the numbers).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchbackend import checks, data
+from benchbackend import workload as W
+from benchbackend.worker import run_job
+
+from conftest import requires_tf, requires_torch
+
+TARGETS = {"torch": "benchbackend.backends.torch:TorchBackend",
+           "tensorflow": "benchbackend.backends.tensorflow:TensorFlowBackend"}
+WORKLOAD = W.load("mnist").with_overrides(limit=512, epochs=1)
+_RUNS: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+
+
+@pytest.fixture(scope="module")
+def arrays(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ds = data.load(WORKLOAD, "synthetic")
+    path = tmp_path_factory.mktemp("fast") / "mnist.npz"
+    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val,
+             x_test=ds.x_test, y_test=ds.y_test,
+             orders=data.epoch_orders(len(ds.y_train), WORKLOAD.training.epochs, WORKLOAD.seed))
+    return path
+
+
+def cell(arrays: Path, backend: str, mode: str, precision: str) -> list[dict[str, Any]]:
+    """The messages of one cell, run once per test session and shared by the tests below."""
+    key = (backend, mode, precision)
+    if key not in _RUNS:
+        msgs: list[dict[str, Any]] = []
+        run_job({"workload": WORKLOAD.to_dict(), "backend": backend, "target": TARGETS[backend], "mode": mode,
+                 "precision": precision, "device": "cpu", "repeat": 0, "data": str(arrays), "trains": True,
+                 "parity_steps": 5, "options": {}}, msgs.append)
+        _RUNS[key] = msgs
+    return _RUNS[key]
+
+
+def forward_parity(msgs: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(m for m in msgs if m.get("phase") == "parity" and not m.get("steps"))
+
+
+def trajectory(msgs: list[dict[str, Any]]) -> dict[str, Any]:
+    return checks.trajectory(next(m for m in msgs if m.get("phase") == "parity" and m.get("steps")), WORKLOAD)
+
+
+def epoch_loss(msgs: list[dict[str, Any]]) -> float:
+    return next(m["loss"] for m in msgs if m.get("phase") == "train_epoch")
+
+
+def assert_cell_ok(msgs: list[dict[str, Any]], precision: str) -> None:
+    assert not [m for m in msgs if m["type"] in ("unavailable", "error")], msgs
+    tol = WORKLOAD.checks.tolerance(precision)
+    par = forward_parity(msgs)
+    assert checks.parity_mismatch(par["parity_max_abs"], par["parity_max_rel"], tol.rtol, tol.atol) is None, par
+    if precision == "fp32":
+        traj = trajectory(msgs)
+        assert traj["parity_step"] is None, traj["message"]
+    else:
+        # Reduced precision really ran: the outputs are off the float64 reference by far more
+        # than fp32 rounding (~1e-7 here).
+        assert par["parity_max_rel"] > 1e-5, par
+    rows = []
+    for m in msgs:
+        if m["type"] == "row" and m.get("steps"):
+            if precision == "fp32":  # the trajectory tolerance is fp32's
+                rows.append(trajectory(msgs))
+        elif m["type"] == "row":
+            rows.append(m)
+    assert checks.cell_status(rows, WORKLOAD, precision) == ("ok", "")
+    assert [m["phase"] for m in rows].count("inference") == WORKLOAD.inference.repeats
+
+
+TORCH_CELLS = [(m, p) for m in ("eager", "channels_last") for p in ("fp32", "bf16")]
+TF_CELLS = [(m, p) for m in ("tf.function", "xla") for p in ("fp32", "bf16")]
+
+
+@requires_torch
+@pytest.mark.parametrize("mode,precision", TORCH_CELLS)
+def test_torch_mode_precision_passes_checks(arrays: Path, mode: str, precision: str) -> None:
+    assert_cell_ok(cell(arrays, "torch", mode, precision), precision)
+
+
+@requires_tf
+@pytest.mark.parametrize("mode,precision", TF_CELLS)
+def test_tensorflow_mode_precision_passes_checks(arrays: Path, mode: str, precision: str) -> None:
+    assert_cell_ok(cell(arrays, "tensorflow", mode, precision), precision)
+
+
+@requires_torch
+def test_torch_compile_passes_checks_and_trains_like_eager(arrays: Path) -> None:
+    msgs = cell(arrays, "torch", "compile", "fp32")  # the one compile cell: compiling is slow
+    assert_cell_ok(msgs, "fp32")
+    assert epoch_loss(msgs) == pytest.approx(epoch_loss(cell(arrays, "torch", "eager", "fp32")), rel=1e-4)
+
+
+@requires_torch
+def test_torch_channels_last_trains_like_eager(arrays: Path) -> None:
+    eager = epoch_loss(cell(arrays, "torch", "eager", "fp32"))
+    assert math.isfinite(eager)
+    assert epoch_loss(cell(arrays, "torch", "channels_last", "fp32")) == pytest.approx(eager, rel=1e-4)
+
+
+@requires_tf
+def test_xla_trains_like_tf_function(arrays: Path) -> None:
+    graph = epoch_loss(cell(arrays, "tensorflow", "tf.function", "fp32"))
+    assert math.isfinite(graph)
+    assert epoch_loss(cell(arrays, "tensorflow", "xla", "fp32")) == pytest.approx(graph, rel=1e-4)
+
+
+@pytest.mark.parametrize("backend,mode,reason", [
+    pytest.param("torch", "eager", "CUDA", marks=requires_torch),
+    pytest.param("tensorflow", "tf.function", "fp16", marks=requires_tf),
+])
+def test_fp16_on_cpu_is_unavailable(arrays: Path, backend: str, mode: str, reason: str) -> None:
+    msgs: list[dict[str, Any]] = []
+    run_job({"workload": WORKLOAD.to_dict(), "backend": backend, "target": TARGETS[backend], "mode": mode,
+             "precision": "fp16", "device": "cpu", "data": str(arrays)}, msgs.append)
+    assert [m["type"] for m in msgs] == ["unavailable"]
+    assert reason in msgs[0]["message"]
+
+
+@requires_tf
+def test_tensorflow_bf16_computes_in_bfloat16_with_float32_output() -> None:
+    from benchbackend.backends.tensorflow import TensorFlowBackend
+    from benchbackend.model import initial_weights
+
+    w = W.load("cifar10")
+    b = TensorFlowBackend(w, "cpu", "tf.function", "bf16")
+    b.build(initial_weights(w))
+    assert b.model.layers[0].compute_dtype == "bfloat16"
+    assert all(v.dtype == "float32" for v in b.model.trainable_variables)  # fp32 master weights
+    assert b.model.layers[-1].compute_dtype == "float32"  # the softmax, as Keras advises
+    out = b.scores(b.to_device(np.zeros((2, *w.input_shape), np.float32)), 2)
+    assert out.dtype.name == "float32" and np.allclose(b.to_host(out).sum(1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,mode", [
+    pytest.param("torch", "eager", marks=requires_torch),
+    pytest.param("tensorflow", "tf.function", marks=requires_tf),
+])
+def test_gemm_peak_is_a_rate(backend: str, mode: str) -> None:
+    from benchbackend.worker import load_target
+
+    b = load_target(TARGETS[backend])(WORKLOAD, "cpu", mode)
+    for precision in ("fp32", "bf16"):
+        flops = b.gemm_peak(precision)
+        assert math.isfinite(flops) and flops > 0
