@@ -118,3 +118,23 @@ def test_nchw_weight_conversion_round_trips(name):
     assert any(not np.array_equal(a, b.T) for a, b in zip(nchw, weights) if a.ndim == 2)  # rows were permuted
     for a, b in zip(model.from_nchw_weights(w, nchw), weights):
         np.testing.assert_array_equal(a, b)
+
+
+def _installed(name):
+    spec = backends.get(name)
+    if not backends.installed(spec):
+        return pytest.param(name, marks=pytest.mark.skip(reason=f"{name} is not installed here: {spec.install}"))
+    return name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [_installed(n) for n in backends.BACKENDS])
+def test_every_registered_backend_runs_an_inference_only_cell_with_parity(name, tmp_path):
+    """Driven by the registry alone: every installed backend, its default mode, fp32, mnist."""
+    out = tmp_path / f"{name}.csv"
+    r = cli("run", "mnist", "-b", name, "--inference-only", "--data", "synthetic", "--limit", "256",
+            "--repeats", "1", "-o", str(out), "--no-plots", timeout=1200)
+    df = results.read(out)
+    assert r.returncode == 0 and set(df["status"]) == {"ok"}, r.stderr[-2000:]
+    assert set(df["phase"]) <= {"build", "tune", "parity", "inference"} and (df.phase == "inference").sum() == 5
+    assert df[df.phase == "parity"]["parity_max_rel"].iloc[0] < 1e-4
