@@ -180,7 +180,9 @@ class TorchBackend(Backend):
             if self.compiled:
                 import torch._dynamo as dynamo
 
-                dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, _COMPILE_GRAPHS)
+                # ``cache_size_limit`` before torch 2.6
+                limit = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+                setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), _COMPILE_GRAPHS))
                 # Static shapes: each batch shape gets its own specialized graph, as the
                 # training and inference batch sizes are fixed. Compilation happens on first
                 # use, so it lands in the first epoch and first inference pass.
