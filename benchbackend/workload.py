@@ -120,7 +120,10 @@ class Tolerance(_Strict):
 #: largest output; either bound passing is enough). fp32 is the workload's parity_rtol/parity_atol.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "fp64": Tolerance(rtol=1e-9, atol=1e-10),
-    "bf16": Tolerance(rtol=5e-2, atol=1e-2),
+    # Measured at the shared initial weights (8 samples): correct bf16 runs of torch and TF give
+    # 6e-4..2.4e-3 relative, 8e-5..3e-4 absolute; a skipped flatten permutation gives 1e-1..3e-1
+    # relative, 1e-2..5e-2 absolute. These bounds sit >= 4x above the first and >= 5x below the second.
+    "bf16": Tolerance(rtol=1e-2, atol=2e-3),
     "fp16": Tolerance(rtol=1e-2, atol=1e-3),
 }
 

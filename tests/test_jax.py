@@ -47,11 +47,13 @@ def arrays(w: Workload) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     return data.normalize(ds.x_train), ds.y_train, data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed)
 
 
-# Known gap, left visible: with the reference's Adam step size now in float32 as Keras computes it,
-# Keras on JAX and on torch follow the cifar10 reference for 20 steps, but this adapter drifts to
-# 1.0e-3 at step 14 (a jump at step 7 that the others do not show); the cause is not found yet.
-JAX_CIFAR10_DRIFT = pytest.mark.xfail(reason="jax adapter drifts to 1e-3 at step 14 on cifar10 (Adam); "
-                                             "keras-jax and torch do not: cause not found", strict=False)
+# Known gap, left visible: the reference's Adam now computes its step size in float32 as Keras does,
+# and TensorFlow, Keras on JAX and Keras on torch follow the 20-step cifar10 trajectory to 1e-6. This
+# adapter (and torch, whose 20-step cifar10 trajectory is not in the tests) jumps 3e-3 away at step
+# ~10 and stays there: a discrete change, not a drift. Suspected, not proven: exact max-pool ties in
+# the synthetic images' zero regions, broken differently by 1e-7-level differences.
+JAX_CIFAR10_DRIFT = pytest.mark.xfail(reason="cifar10 20-step trajectory: a 3e-3 jump at step ~10 that the "
+                                             "Keras backends do not show (see the comment above)", strict=False)
 
 
 @pytest.mark.parametrize("name", ["mnist", pytest.param("cifar10", marks=JAX_CIFAR10_DRIFT)])

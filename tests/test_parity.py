@@ -47,9 +47,7 @@ def test_torch_parity_passes(tmp_path, name):
 
 @requires_torch
 def test_skipping_the_flatten_permutation_is_caught(tmp_path, monkeypatch):
-    import benchbackend.backends.torch as tb
-
-    monkeypatch.setattr(tb, "nhwc_to_nchw_rows", lambda h, w, c: np.arange(h * w * c))
+    monkeypatch.setattr(model, "nhwc_to_nchw_rows", lambda h, w, c: np.arange(h * w * c))
     rows, (status, msg) = _run(tmp_path, _small(), "torch")
     assert status == "parity_mismatch", msg
     assert "differs from the NumPy reference" in msg
@@ -57,10 +55,8 @@ def test_skipping_the_flatten_permutation_is_caught(tmp_path, monkeypatch):
 
 @requires_torch
 def test_a_wrongly_transposed_kernel_is_caught(tmp_path, monkeypatch):
-    import benchbackend.backends.torch as tb
-
     real = np.transpose
-    monkeypatch.setattr(tb.np, "transpose", lambda a, axes=None: real(a, (3, 2, 1, 0) if axes == (3, 2, 0, 1) else axes))
+    monkeypatch.setattr(model.np, "transpose", lambda a, axes=None: real(a, (3, 2, 1, 0) if axes == (3, 2, 0, 1) else axes))
     rows, (status, msg) = _run(tmp_path, _small(), "torch")
     assert status == "parity_mismatch", msg
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BackendUnavailable
-from ..model import describe, flatten_input_shape, nhwc_to_nchw_rows, same_pads
+from ..model import describe, from_nchw_weights, same_pads, to_nchw_weights
 from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
 from .base import Backend
 
@@ -230,39 +230,16 @@ class TorchBackend(Backend):
             self._adam_steps = int(state["step"]) + 1 if state else 1
         self.opt.param_groups[0]["eps"] = 1e-7 / math.sqrt(1.0 - 0.999 ** self._adam_steps)
 
-    def _flatten_perm(self) -> np.ndarray | None:
-        shape = flatten_input_shape(self.workload)
-        return None if shape is None else nhwc_to_nchw_rows(*shape)
-
     def _load(self, weights: Sequence[np.ndarray]) -> None:
-        perm = self._flatten_perm()
-        first_dense = True
+        converted = to_nchw_weights(self.workload, weights)
         with torch.no_grad():
-            for mod, (k, b) in zip(self._weighted(), zip(weights[0::2], weights[1::2])):
-                if isinstance(mod, nn.Conv2d):
-                    w = np.transpose(k, (3, 2, 0, 1))  # HWIO -> OIHW
-                else:
-                    # Rows of the dense layer after flatten follow NHWC order; torch flattens NCHW.
-                    w = (k[perm] if first_dense and perm is not None else k).T
-                    first_dense = False
-                mod.weight.copy_(torch.from_numpy(np.ascontiguousarray(w)))
+            for mod, w, b in zip(self._weighted(), converted[0::2], converted[1::2]):
+                mod.weight.copy_(torch.from_numpy(w))
                 mod.bias.copy_(torch.from_numpy(b))
 
     def get_weights(self) -> list[np.ndarray]:
-        perm = self._flatten_perm()
-        out: list[np.ndarray] = []
-        first_dense = True
-        for mod in self._weighted():
-            w = mod.weight.detach().cpu().numpy()
-            if isinstance(mod, nn.Conv2d):
-                k = np.transpose(w, (2, 3, 1, 0))
-            else:
-                k = w.T
-                if first_dense and perm is not None:
-                    k = k[np.argsort(perm)]
-                first_dense = False
-            out += [np.ascontiguousarray(k), mod.bias.detach().cpu().numpy().copy()]
-        return out
+        raw = [t.detach().cpu().numpy() for mod in self._weighted() for t in (mod.weight, mod.bias)]
+        return from_nchw_weights(self.workload, raw)
 
     # --- data -------------------------------------------------------------------------------
     def to_device(self, x: np.ndarray) -> torch.Tensor:
