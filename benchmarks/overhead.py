@@ -5,8 +5,15 @@ and loop in the same framework, on the same arrays, the same sample order and th
 weights, then alternates epochs between the two (adapter, plain, adapter, plain, ...) so drift
 hits both alike. Prints the median steady epoch time of each and the ratio (target: within 3%), the median over --rounds fresh processes.
 
+The plain JAX loop is what a JAX user writes: one ``jax.jit`` train step, batches sliced from the
+epoch's permuted device arrays in a Python loop. It shares the adapter's layer functions and
+Keras update rule (the network and the maths are not what is measured; the loop around them is).
+``--backend jax:scan`` times the adapter's ``lax.scan`` mode (K = --steps-per-execution) against
+the same plain loop, which is where fewer dispatches per epoch show.
+
     python benchmarks/overhead.py --workload mnist --limit 8192 --epochs 6
     python benchmarks/overhead.py --workload cifar10 --limit 1024 --epochs 4 --backend torch
+    python benchmarks/overhead.py --workload mnist --backend jax --backend jax:scan
 
 This is a figure, not a test: nothing here passes or fails.
 """
@@ -89,12 +96,52 @@ def _plain_tensorflow(w, weights, x, y, orders):
     return epoch
 
 
-def measure(backend: str, workload_name: str, limit: int, epochs: int) -> dict:
+def _plain_jax(w, weights, x, y, orders):
+    import jax
+    import jax.numpy as jnp
+
+    from benchbackend.backends.jax import _init_state, _update, make_forward
+
+    t = w.training
+    logits = make_forward(w)
+    params = [jnp.asarray(a) for a in weights]
+    opt = _init_state(t.optimizer, t.momentum, params)
+    key = jax.random.key(w.seed)
+    xt, yt = jnp.asarray(x), jnp.asarray(y.astype(np.int32))
+    bs = w.training.batch_size
+
+    def loss_fn(p, xb, yb, k):
+        z = logits(p, xb, k)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), yb[:, None], axis=1))
+
+    @jax.jit
+    def step(p, o, xb, yb, k):
+        loss, g = jax.value_and_grad(loss_fn)(p, xb, yb, k)
+        p, o = _update(t.optimizer, t.lr, t.momentum, p, g, o)
+        return p, o, loss
+
+    state = {"params": params, "opt": opt, "step": 0}
+
+    def epoch(order):
+        idx = jnp.asarray(order.astype(np.int32))
+        xe, ye = xt[idx], yt[idx]
+        p, o, i = state["params"], state["opt"], state["step"]
+        for s in range(0, len(order), bs):
+            p, o, loss = step(p, o, xe[s:s + bs], ye[s:s + bs], jax.random.fold_in(key, i))
+            i += 1
+        state.update(params=p, opt=o, step=i)
+        return float(loss)
+
+    return epoch
+
+
+def measure(backend: str, workload_name: str, limit: int, epochs: int, spe: int = 32) -> dict:
     """Runs inside a fresh process for one backend."""
     from benchbackend import data, model, workload
     from benchbackend.backends import get
     from benchbackend.timing import timed_region
 
+    backend, _, mode = backend.partition(":")  # e.g. jax:scan
     spec = get(backend)
     for k, v in spec.env("cpu").items():
         os.environ.setdefault(k, v)
@@ -103,10 +150,11 @@ def measure(backend: str, workload_name: str, limit: int, epochs: int) -> dict:
     x, xv, xte = (data.normalize(a) for a in (ds.x_train, ds.x_val, ds.x_test))
     orders = data.epoch_orders(len(ds.y_train), epochs, w.seed)
     weights = model.initial_weights(w, 1)
-    adapter = spec.load_class()(w, "cpu", spec.default_mode)
+    adapter = spec.load_class()(w, "cpu", mode or spec.default_mode, "fp32", {"steps_per_execution": spe})
     adapter.build(weights)
     adapter.set_data(x, ds.y_train)
-    plain = {"torch": _plain_torch, "tensorflow": _plain_tensorflow}[backend](w, weights, x, ds.y_train, orders)
+    plain = {"torch": _plain_torch, "tensorflow": _plain_tensorflow, "jax": _plain_jax}[backend](
+        w, weights, x, ds.y_train, orders)
     times: dict[str, list[float]] = {"adapter": [], "plain": []}
     for e, order in enumerate(orders):
         # The adapter is timed as the worker times it: to_host on its result, sync, then the clock.
@@ -117,7 +165,7 @@ def measure(backend: str, workload_name: str, limit: int, epochs: int) -> dict:
             _, s = fn()
             times[name].append(s)
     steady = {k: float(np.median(v[1:])) for k, v in times.items()}  # epoch 1 apart: tracing, warm-up
-    return {"backend": backend, "workload": workload_name, "samples": len(ds.y_train), **steady,
+    return {"backend": f"{backend}:{adapter.mode}", "workload": workload_name, "samples": len(ds.y_train), **steady,
             "ratio": steady["adapter"] / steady["plain"], "epochs": times}
 
 
@@ -126,12 +174,14 @@ def main() -> None:
     ap.add_argument("--workload", default="mnist")
     ap.add_argument("--limit", type=int, default=8192)
     ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--backend", action="append", choices=["torch", "tensorflow"])
+    ap.add_argument("--backend", action="append", choices=["torch", "tensorflow", "jax", "jax:scan"],
+                    help="default: torch and tensorflow; jax:scan times the scan mode against the plain jitted loop")
+    ap.add_argument("--steps-per-execution", type=int, default=32, help="K for jax:scan")
     ap.add_argument("--rounds", type=int, default=3, help="fresh processes per backend; the median ratio is shown")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.workload, args.limit, args.epochs)))
+        print(json.dumps(measure(args.child, args.workload, args.limit, args.epochs, args.steps_per_execution)))
         return
     print(f"{'backend':<11} {'workload':<8} {'samples':>7} {'adapter s':>10} {'plain s':>9} {'ratio':>7}  "
           f"ratios of {args.rounds} fresh processes")
@@ -139,7 +189,8 @@ def main() -> None:
         runs = []
         for _ in range(args.rounds):
             out = subprocess.run([sys.executable, __file__, "--child", backend, "--workload", args.workload,
-                                  "--limit", str(args.limit), "--epochs", str(args.epochs)],
+                                  "--limit", str(args.limit), "--epochs", str(args.epochs),
+                                  "--steps-per-execution", str(args.steps_per_execution)],
                                  capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
             if out.returncode != 0:
                 print(f"{backend:<11} failed: {out.stderr.strip().splitlines()[-1:]}")

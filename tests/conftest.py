@@ -37,3 +37,16 @@ def envs_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         return Path(os.environ["BENCHBACKEND_ENVS"])
     cache = getattr(request.config, "cache", None)
     return cache.mkdir("benchbackend-envs") if cache else tmp_path_factory.mktemp("envs")
+
+
+def job_arrays(tmp_path: Path, w) -> str:
+    """The run's arrays as the runner hands them to a worker (an .npz of synthetic data and orders)."""
+    import numpy as np
+
+    from benchbackend import data
+
+    ds = data.load(w, "synthetic")
+    path = tmp_path / "d.npz"
+    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
+             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    return str(path)

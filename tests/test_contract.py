@@ -8,21 +8,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import backends, data, results, worker, workload
+from benchbackend import backends, results, worker, workload
 from benchbackend.cli import main
-from conftest import ROOT, cli
+from conftest import ROOT, cli, job_arrays
 
 LAZY = backends.BackendSpec("lazy", "support.lazy_backend:LazyNumpyBackend", "numpy", "numpy", "(test only)",
                             "the NumPy reference on a simulated asynchronous device",
                             modes=(backends.Mode("reference", "the reference, its device busy after every call"),))
-
-
-def _npz(tmp_path, w):
-    ds = data.load(w, "synthetic")
-    path = tmp_path / "d.npz"
-    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
-             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
-    return str(path)
 
 
 def test_timed_regions_include_the_device_work_that_only_sync_waits_for(tmp_path, monkeypatch):
@@ -30,7 +22,7 @@ def test_timed_regions_include_the_device_work_that_only_sync_waits_for(tmp_path
     w = workload.load("mnist").with_overrides(limit=64, epochs=2)
     msgs: list[dict] = []
     job = {"workload": w.to_dict(), "backend": "lazy", "target": LAZY.target, "mode": "reference",
-           "device": "cpu", "repeat": 1, "data": _npz(tmp_path, w), "trains": True}
+           "device": "cpu", "repeat": 1, "data": job_arrays(tmp_path, w), "trains": True}
     worker.run_job(job, msgs.append)
     timed = [m for m in msgs if m.get("phase") in ("train_epoch", "inference")]
     assert len(timed) == 2 + w.inference.repeats

@@ -5,15 +5,7 @@ import numpy as np
 import pytest
 
 from benchbackend import checks, data, model, worker, workload
-from conftest import requires_tf, requires_torch
-
-
-def _npz(tmp_path, w):
-    ds = data.load(w, "synthetic")
-    path = tmp_path / "d.npz"
-    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
-             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
-    return str(path)
+from conftest import job_arrays, requires_tf, requires_torch
 
 
 def _run(tmp_path, w, backend, parity_steps=0):
@@ -22,7 +14,7 @@ def _run(tmp_path, w, backend, parity_steps=0):
     rows = []
     spec = backends.get(backend)
     job = {"workload": w.to_dict(), "backend": backend, "target": spec.target, "mode": spec.default_mode,
-           "device": "cpu", "repeat": 1, "data": _npz(tmp_path, w), "parity_steps": parity_steps}
+           "device": "cpu", "repeat": 1, "data": job_arrays(tmp_path, w), "parity_steps": parity_steps}
 
     def keep(m):
         if m.get("type") == "row":
