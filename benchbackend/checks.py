@@ -95,15 +95,17 @@ def trajectory(msg: dict[str, Any], workload: Any) -> dict[str, Any]:
     return out
 
 
-def diverged(losses: Sequence[Optional[float]], factor: float) -> Optional[str]:
-    """A message when a finite training loss exploded: ``factor`` times the first epoch's, or more."""
-    finite_losses = [x for x in losses if x is not None and math.isfinite(x)]
-    if len(finite_losses) < 2:
-        return None
-    first = max(abs(finite_losses[0]), 1e-12)
-    for i, loss in enumerate(finite_losses[1:], start=2):
-        if abs(loss) >= factor * first:
-            return f"training loss exploded to {loss:.3g} at epoch {i} ({abs(loss) / first:.2g}x the first epoch's {finite_losses[0]:.3g})"
+def diverged(losses: Sequence[Optional[float]], num_classes: int, factor: float) -> Optional[str]:
+    """A message when a finite training loss exploded: ``factor`` times ln(num_classes) or more.
+
+    ln(classes) is the cross-entropy of a uniform guess, about what the shared initial weights
+    give; the first epoch's mean is no yardstick, since a loss can explode within it (TensorFlow's
+    mnist at learning rate 1e6: 1.3e20 in epoch 1, then 4.8e5)."""
+    chance = math.log(num_classes)
+    for i, loss in enumerate(losses, start=1):
+        if loss is not None and math.isfinite(loss) and abs(loss) >= factor * chance:
+            return (f"training loss exploded to {loss:.3g} at epoch {i} ({abs(loss) / chance:.2g}x the "
+                    f"{chance:.3g} of a uniform guess)")
     return None
 
 
@@ -130,7 +132,7 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
     msg = nan_loss(losses)
     if msg:
         return "nan_loss", msg
-    msg = diverged(losses, workload.checks.divergence_factor)
+    msg = diverged(losses, workload.num_classes, workload.checks.divergence_factor)
     if msg:
         return "diverged", msg
     tol = workload.checks.tolerance(precision)

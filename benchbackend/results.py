@@ -83,7 +83,7 @@ class CsvWriter:
     """Appends rows as they arrive (flushed each time), so nothing measured is lost.
 
     The file is created with the first row: a run that fails before measuring anything (missing
-    data, say) leaves no empty CSV behind. ``set_status`` rewrites the file atomically when a
+    data, say) leaves no empty CSV behind. ``finalize`` rewrites the file atomically when a
     cell's final verdict is known. Raises ``OSError`` at once when the folder is not writable.
     """
 
@@ -94,7 +94,8 @@ class CsvWriter:
         if not os.access(self.path.parent, os.W_OK) or self.path.is_dir():
             raise PermissionError(13, "Permission denied" if not self.path.is_dir() else "Is a directory")
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Append ``row`` (its known columns) to the file now; returns the stored row."""
         full = {c: row.get(c) for c in COLUMNS}
         full["schema_version"] = SCHEMA_VERSION
         self.rows.append(full)
@@ -104,14 +105,15 @@ class CsvWriter:
         with open(self.path, "a", newline="") as fh:
             csv.writer(fh).writerow([_cell(full[c]) for c in COLUMNS])
             fh.flush()
+        return full
 
-    def set_status(self, match: dict[str, Any], status: str, **values: Any) -> None:
-        """Give every row matching ``match`` (e.g. one cell) the cell's final status (and ``values``,
-        cell-level columns such as ``time_to_accuracy_s``)."""
-        changed = False
+    def finalize(self, rows: list[dict[str, Any]], status: str, **values: Any) -> None:
+        """Give ``rows`` (stored rows ``write`` returned: one cell's) the cell's final status, and
+        ``values`` (cell-level columns such as ``time_to_accuracy_s``); rewrite the file atomically."""
         update = {"status": status, **values}
-        for row in self.rows:
-            if all(row.get(k) == v for k, v in match.items()) and any(row.get(k) != v for k, v in update.items()):
+        changed = False
+        for row in rows:
+            if any(row.get(k) != v for k, v in update.items()):
                 row.update(update)
                 changed = True
         if changed:

@@ -141,7 +141,6 @@ class Runner:
 
     def _prepare(self, w: Workload, tmp: Path) -> Path:
         """The run's arrays and per-epoch orders, once per workload: every backend gets these."""
-        self.progress(f"[{w.name}] preparing data ({self.plan.data_source})")
         ds = data.load(w, self.plan.data_source, self.plan.data_dir, progress=self._download_progress)
         orders = data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed)
         path = tmp / f"{w.name}-{w.hash()}.npz"
@@ -189,8 +188,9 @@ class Runner:
         """One worker message, as it arrives."""
         kind = msg.get("type")
         if kind == "info":
-            info = {k: msg[k] for k in ("backend_version", "device", "mode", "precision", "gpu", "python", "threads",
-                                        "host", "os", "cpu", "peak_flops", "peak_source") if msg.get(k) not in (None, "")}
+            # mode and precision stay the plan's: they identify the cell's rows
+            info = {k: msg[k] for k in ("backend_version", "device", "gpu", "python", "threads", "host", "os", "cpu",
+                                        "peak_flops", "peak_source") if msg.get(k) not in (None, "")}
             state.base.update(info)
             state.cell.device = state.base["device"]
             if "peak_flops" in msg:
@@ -201,7 +201,7 @@ class Runner:
         elif kind == "row":
             row = checks.trajectory(msg, state.group.workload) if msg.get("losses") is not None else msg
             row = {**row, **self._mfu(row, state)}
-            state.rows.append(self._write(state.base, row))
+            state.rows.append(self._write(state, row))
             self._progress_row(row, state)
 
     def finish(self, state: "CellState", outcome: Outcome) -> CellResult:
@@ -209,9 +209,11 @@ class Runner:
         cell = state.cell
         if outcome.status == "done":
             cell.status, cell.message = checks.cell_status(state.rows, state.group.workload, cell.precision)
+            if cell.status != "ok":  # the CSV says why, not only the terminal
+                self._write(state, {"phase": "run", "epoch": 0, "message": cell.message})
         else:
             cell.status, cell.message = outcome.status, outcome.message
-            self._write(state.base, {"phase": "run", "epoch": 0, "message": outcome.message})
+            self._write(state, {"phase": "run", "epoch": 0, "message": outcome.message})
         values = {}
         target = state.group.workload.checks.target_accuracy
         if target is not None:
@@ -219,9 +221,7 @@ class Runner:
             reached = values["time_to_accuracy_s"]
             self.progress(f"{state.tag} time to accuracy {target:g}: "
                           + (f"{reached:.2f}s of training" if reached != float("inf") else "not reached"))
-        self.writer.set_status({"run_id": self.run_id, "workload": cell.workload, "workload_hash": state.base[
-            "workload_hash"], "backend": cell.backend, "mode": cell.mode, "precision": cell.precision,
-            "repeat": cell.repeat}, cell.status, **values)
+        self.writer.finalize(state.stored, cell.status, **values)
         self.cells.append(cell)
         if cell.status != "ok":
             self.progress(f"{state.tag} {cell.status}: {cell.message}")
@@ -245,10 +245,11 @@ class Runner:
         peak = state.base.get("peak_flops")
         return {"achieved_flops": achieved, "mfu": achieved / peak if peak else None}
 
-    def _write(self, base: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
-        full = {**base, **{k: v for k, v in row.items() if k != "type"}, "status": PENDING}
+    def _write(self, state: "CellState", row: dict[str, Any]) -> dict[str, Any]:
+        """Write one row of the cell now, as ``pending``; returns the full row (checks read it)."""
+        full = {**state.base, **{k: v for k, v in row.items() if k != "type"}, "status": PENDING}
         full["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self.writer.write(full)
+        state.stored.append(self.writer.write(full))
         return full
 
     def _progress_row(self, msg: dict[str, Any], state: "CellState") -> None:
@@ -286,6 +287,8 @@ class CellState:
     base: dict[str, Any]
     tag: str
     rows: list[dict[str, Any]] = field(default_factory=list)
+    #: The writer's own copies of this cell's rows, which ``finalize`` gives the cell's status.
+    stored: list[dict[str, Any]] = field(default_factory=list)
 
 
 def check_backends(names: list[str]) -> None:

@@ -141,7 +141,8 @@ class ChecksSpec(_Strict):
     trajectory_rtol: float = Field(default=1e-3, gt=0.0,
                                    description="--parity-steps: relative loss difference allowed per step")
     divergence_factor: float = Field(default=1e3, gt=1.0,
-                                     description="a finite loss this many times the first epoch's is `diverged`")
+                                     description="a finite training loss this many times ln(classes), the "
+                                                 "cross-entropy of a uniform guess, is `diverged`")
     target_accuracy: Optional[float] = Field(default=None, gt=0.0, le=1.0,
                                              description="record time_to_accuracy_s: training time until the "
                                                          "validation accuracy first reaches this")

@@ -88,7 +88,9 @@ def test_missing_real_data_is_one_line_naming_files_and_the_synthetic_alternativ
     out = cli("run", "mnist", "-b", "numpy", "--data", "auto", "--data-dir", str(tmp_path / "empty"),
               "-o", str(tmp_path / "r.csv"))
     assert out.returncode == 2
-    first = out.stderr.strip().splitlines()[-2]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and not (tmp_path / "r.csv").exists()
+    first = lines[0]
     assert first.startswith("Error:") and "train-images-idx3-ubyte.gz" in first and "--data synthetic" in first
     assert "Traceback" not in out.stderr
 

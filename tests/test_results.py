@@ -24,13 +24,14 @@ def test_round_trip_with_numpy_scalars_and_nan(tmp_path):
     assert df["message"][0] == "a, quoted\nmessage"
 
 
-def test_set_status_rewrites_only_the_cell(tmp_path):
+def test_finalize_rewrites_only_the_cell(tmp_path):
     w = results.CsvWriter(tmp_path / "r.csv")
-    w.write(_row())
+    torch_row = w.write(_row())
     w.write(_row(backend="tensorflow"))
-    w.set_status({"backend": "torch"}, "nan_loss")
+    w.finalize([torch_row], "nan_loss", time_to_accuracy_s=float("inf"))
     df = results.read(tmp_path / "r.csv")
     assert df.set_index("backend")["status"].to_dict() == {"torch": "nan_loss", "tensorflow": "ok"}
+    assert df.set_index("backend")["time_to_accuracy_s"].to_dict()["torch"] == float("inf")
 
 
 @pytest.mark.parametrize("mutate, needle", [
