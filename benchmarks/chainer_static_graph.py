@@ -25,10 +25,10 @@ from benchbackend import results  # noqa: E402
 MODES = ("define-by-run", "static-graph")
 
 
-def run(csv: Path, workload: str, epochs: int, repeats: int, limit: int | None) -> int:
+def run(csv: Path, workload: str, epochs: int, repeats: int, limit: int | None, data: str) -> int:
     cmd = [sys.executable, "-m", "benchbackend", "run", workload, "-b", "chainer",
            *[a for m in MODES for a in ("--mode", f"chainer:{m}")], "--epochs", str(epochs),
-           "--repeats", str(repeats), "-o", str(csv), "--no-plots"]
+           "--repeats", str(repeats), "--data", data, "-o", str(csv), "--no-plots"]
     if limit:
         cmd += ["--limit", str(limit)]
     print("$", " ".join(cmd), file=sys.stderr)
@@ -65,13 +65,15 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--limit", type=int, help="training samples (default: the workload's)")
+    ap.add_argument("--data", default="synthetic", choices=["synthetic", "real", "auto"],
+                    help="as `run --data` (default synthetic: no download)")
     ap.add_argument("-o", "--output", type=Path, default=ROOT / "results" / "chainer-static-graph.csv")
     args = ap.parse_args()
     csv = args.csv
     if csv is None:
         csv = args.output
         csv.parent.mkdir(parents=True, exist_ok=True)
-        code = run(csv, args.workload, args.epochs, args.repeats, args.limit)
+        code = run(csv, args.workload, args.epochs, args.repeats, args.limit, args.data)
         if not csv.is_file():
             return code or 1
     print("\n".join(summarize(csv)))
