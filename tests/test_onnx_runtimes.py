@@ -145,3 +145,18 @@ def test_an_unknown_device_is_unavailable(tmp_path, runtime):
         worker.load_target(runtime[0])(_small(), "tpu", runtime[1])
     msgs, _ = _run(tmp_path, _small(), runtime, device="tpu")
     assert msgs[0]["type"] == "unavailable"
+
+
+@requires_ov
+def test_importing_the_openvino_adapter_sends_no_telemetry():
+    """OpenVINO's import sends a usage event from a forked process; the adapter must stop that."""
+    import subprocess
+    import sys
+
+    # A fork from the telemetry thread ends the process with status 3; the event is sent in the
+    # background, so the probe waits a moment before it says all was quiet.
+    code = ("import os, time\nimport multiprocessing.popen_fork as pf\n"
+            "pf.Popen._launch = lambda self, *a: os._exit(3)\n"
+            "import benchbackend.backends.openvino\nimport openvino as ov\nov.Core()\ntime.sleep(3)\nprint('quiet')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "quiet" in out.stdout, (out.returncode, out.stderr[-1500:])

@@ -7,10 +7,18 @@ set (``INFERENCE_PRECISION_HINT``) and the one the compiled model actually uses 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
-import openvino as ov
+
+# `import openvino` sends a usage-telemetry event from a forked process (its converter imports
+# openvino_telemetry): network traffic a benchmark must not make, and a fork() of a process that
+# may already run other frameworks' threads (it crashed once beside JAX). With the module marked
+# absent, OpenVINO falls back to its own no-op stub.
+sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]
+sys.modules.setdefault("openvino_telemetry.backend", None)  # type: ignore[arg-type]
+import openvino as ov  # noqa: E402
 
 from ..errors import BackendUnavailable
 from ..workload import Workload
