@@ -1,7 +1,14 @@
-"""The spec's ONNX graph and the inference-only runtimes that run it (onnxruntime, OpenVINO)."""
+"""The spec's ONNX graph and the inference-only runtimes that run it (onnxruntime, OpenVINO).
+
+These tests run in a pytest process of their own (``tests/test_isolated.py`` starts it), as the
+product runs one framework per worker process: in CI's one big test process, where torch,
+TensorFlow, JAX and Keras had already run in-process, ``openvino.Core()`` segfaulted and took the
+whole session down. Alone (or in that child process) they pass.
+"""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -19,6 +26,10 @@ requires_ort = pytest.mark.skipif(not _have("onnx", "onnxruntime"),
                                   reason="onnxruntime is not installed (pip install 'benchbackend[onnxruntime]')")
 requires_ov = pytest.mark.skipif(not _have("onnx", "openvino"),
                                  reason="OpenVINO is not installed (pip install 'benchbackend[openvino]')")
+
+pytestmark = pytest.mark.skipif(os.environ.get("BENCHBACKEND_ISOLATED") != "onnx_runtimes",
+                                reason="runs in its own process: tests/test_isolated.py (OpenVINO segfaulted "
+                                       "beside other frameworks in one process)")
 
 ORT = ("benchbackend.backends.onnxruntime:OnnxRuntimeBackend", "default")
 OV = ("benchbackend.backends.openvino:OpenVinoBackend", "latency")
