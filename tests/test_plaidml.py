@@ -280,7 +280,7 @@ def pocl_env(env: envs.EnvStatus, tmp: Path) -> dict[str, str]:
     # Linking the real ICD loader lets every OpenCL call the shim does not wrap resolve through it;
     # PlaidML looks its symbols up in the unversioned libOpenCL.so, which is the shim.
     subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-o", str(lib / "libOpenCL.so"), str(SHIM), "-ldl",
-                    "-Wl,--no-as-needed", "-l:libOpenCL.so.1"], check_only=True, capture_output=True)
+                    "-Wl,--no-as-needed", "-l:libOpenCL.so.1"], check=True, capture_output=True)
     config = json.loads((env.path / "share" / "plaidml" / "experimental.json").read_text())
     config["platform"]["hardware_configs"].append(POCL_ENTRY)  # no built-in entry matches PoCL
     (tmp / "plaidml-pocl.json").write_text(json.dumps(config))
