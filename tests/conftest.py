@@ -50,3 +50,22 @@ def job_arrays(tmp_path: Path, w) -> str:
     np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
              y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
     return str(path)
+
+
+def built_env(envs_root: Path, name: str, probe, label: str):
+    """The isolated environment ``name`` built (or reused) under ``envs_root``; skips, saying why, where
+    it cannot be built here (no package index, no wheel, no venv)."""
+    from unittest import mock
+
+    from benchbackend import envs
+    from benchbackend.errors import EnvError
+
+    with mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(envs_root)}):
+        try:
+            st = envs.setup(name, probe)
+        except EnvError as exc:
+            if str(exc).startswith(("pip install", "creating the")):
+                pytest.skip(f"cannot build the {label} env here: {exc}")
+            raise
+    assert st.ready, st.message
+    return st

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from benchbackend import checks, data, envs, workload
-from benchbackend.errors import EnvError
 from benchbackend.workload import Workload
+from conftest import built_env
 
 pytestmark = pytest.mark.chainer
 
@@ -30,15 +30,7 @@ PROBE = envs.Probe("chainer", TARGET, {})
 # --- the environment -------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def chainer_env(envs_root: Path) -> envs.EnvStatus:
-    with mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(envs_root)}):
-        try:
-            st = envs.setup("chainer", PROBE)
-        except EnvError as exc:
-            if str(exc).startswith(("pip install", "creating the")):  # no index, no wheel, no venv here
-                pytest.skip(f"cannot build the Chainer env here: {exc}")
-            raise
-    assert st.ready, st.message
-    return st
+    return built_env(envs_root, "chainer", PROBE, "Chainer")
 
 
 def test_setup_builds_the_pinned_stack_and_then_reuses_it(chainer_env: envs.EnvStatus, envs_root: Path) -> None:

@@ -22,6 +22,7 @@ import pytest
 from benchbackend import backends, checks, data, envs, workload
 from benchbackend.errors import EnvError
 from benchbackend.workload import Workload
+from conftest import built_env
 
 pytestmark = pytest.mark.plaidml
 PROBE = envs.Probe("plaidml", backends.BACKENDS["plaidml"].target, backends.BACKENDS["plaidml"].env("cpu"))
@@ -30,15 +31,7 @@ PROBE = envs.Probe("plaidml", backends.BACKENDS["plaidml"].target, backends.BACK
 # --- the environment -------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def plaidml_env(envs_root: Path) -> envs.EnvStatus:
-    with mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(envs_root)}):
-        try:
-            st = envs.setup("plaidml", PROBE)
-        except EnvError as exc:
-            if str(exc).startswith(("pip install", "creating the")):  # no PyPI, no wheel, no venv here
-                pytest.skip(f"cannot build the PlaidML env here: {exc}")
-            raise
-    assert st.ready, st.message
-    return st
+    return built_env(envs_root, "plaidml", PROBE, "PlaidML")
 
 
 @pytest.fixture
