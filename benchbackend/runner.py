@@ -192,6 +192,7 @@ class Runner:
             info = {k: msg[k] for k in ("backend_version", "device", "gpu", "python", "threads", "host", "os", "cpu",
                                         "peak_flops", "peak_source") if msg.get(k) not in (None, "")}
             state.base.update(info)
+            state.peak_key = msg.get("peak_key") or state.peak_key
             state.cell.device = state.base["device"]
             if "peak_flops" in msg:
                 self.progress(f"{state.tag} peak {msg['peak_flops'] / 1e12:.3g} TFLOP/s ({msg.get('peak_source')})")
@@ -201,6 +202,8 @@ class Runner:
         elif kind == "row":
             row = checks.trajectory(msg, state.group.workload) if msg.get("losses") is not None else msg
             row = {**row, **self._mfu(row, state)}
+            if (row.get("mfu") or 0) > 1:
+                row = {**row, "message": self._peak_too_low(state, row)}
             state.rows.append(self._write(state, row))
             self._progress_row(row, state)
 
@@ -244,6 +247,21 @@ class Runner:
         achieved = (3 if phase == "train_epoch" else 1) * state.base["flops_per_sample"] * rate
         peak = state.base.get("peak_flops")
         return {"achieved_flops": achieved, "mfu": achieved / peak if peak else None}
+
+    def _peak_too_low(self, state: "CellState", row: dict[str, Any]) -> str:
+        """A timed row above 100% MFU: the peak is wrong (a probe taken under load, a low
+        --peak-tflops). Say so on the row, and drop the cached probe so the next run measures again."""
+        from . import peaks
+
+        first = not state.warned_peak
+        if first:
+            state.warned_peak = True
+            state.peak_dropped = bool(state.peak_key) and peaks.forget(state.peak_key)
+        why = (f"MFU {row['mfu']:.0%} is above 100%: the peak ({state.base.get('peak_source')}) is too low"
+               + ("; the cached probe is dropped, the next run probes again" if state.peak_dropped else ""))
+        if first:  # once per cell on the terminal; every such row says it in the CSV
+            self.progress(f"{state.tag} {why}")
+        return "; ".join(m for m in (row.get("message"), why) if m)
 
     def _write(self, state: "CellState", row: dict[str, Any]) -> dict[str, Any]:
         """Write one row of the cell now, as ``pending``; returns the full row (checks read it)."""
@@ -289,6 +307,10 @@ class CellState:
     rows: list[dict[str, Any]] = field(default_factory=list)
     #: The writer's own copies of this cell's rows, which ``finalize`` gives the cell's status.
     stored: list[dict[str, Any]] = field(default_factory=list)
+    #: The GEMM-peak cache entry this cell's MFU uses ("" when none), dropped when shown too low.
+    peak_key: str = ""
+    warned_peak: bool = False
+    peak_dropped: bool = False
 
 
 def check_backends(names: list[str]) -> None:

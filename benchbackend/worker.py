@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import sys
-import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -162,9 +161,9 @@ def run_job(job: dict[str, Any], emit: Emit) -> None:
     details = backend.details()
     emit({**base, "phase": "build", "epoch": 0, "seconds": seconds, "params": params, "peak_rss_mb": peak_rss_mb(),
           "message": "; ".join(f"{k} {v}" for k, v in details.items())})
-    peak, source = _peak(backend, job.get("options") or {})
+    peak, source, peak_key = _peak(backend, job.get("options") or {})
     if peak:
-        emit({"type": "info", "peak_flops": peak, "peak_source": source})
+        emit({"type": "info", "peak_flops": peak, "peak_source": source, "peak_key": peak_key})
     summary, seconds = cell.region(backend.tune, host=False)
     if summary is not None:
         emit({**base, "phase": "tune", "epoch": 0, "seconds": seconds, "message": summary})
@@ -210,36 +209,23 @@ def _train(cell: Cell, base: dict[str, Any]) -> bool:
     return True
 
 
-def _peak(backend: Any, options: dict[str, Any]) -> tuple[Optional[float], str]:
-    """(peak FLOP/s, where it came from) for MFU: ``--peak-tflops``, else the adapter's GEMM probe
-    in its own framework (``gemm_peak(precision)``), cached per host, CPU, backend, device and precision."""
+def _peak(backend: Any, options: dict[str, Any]) -> tuple[Optional[float], str, str]:
+    """(peak FLOP/s, where it came from, cache key) for MFU: ``--peak-tflops``, else the adapter's
+    GEMM probe in its own framework (``gemm_peak(precision)``), cached (:mod:`benchbackend.peaks`)."""
     if options.get("peak_tflops"):
-        return float(options["peak_tflops"]) * 1e12, "--peak-tflops"
+        return float(options["peak_tflops"]) * 1e12, "--peak-tflops", ""
     probe = getattr(backend, "gemm_peak", None)
     if probe is None:
-        return None, ""
-    from .paths import cache_dir
+        return None, "", ""
+    from . import peaks
     from .results import environment
 
     env = environment()
-    key = "|".join([env["host"], env["cpu"], backend.name, backend.device_id(), backend.precision])
-    path = cache_dir() / "peaks.json"
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key in cache:
-        return float(cache[key]["flops"]), f"{backend.name} GEMM probe (cached {cache[key]['when']})"
-    flops = float(probe(backend.precision))
-    cache[key] = {"flops": flops, "when": time.strftime("%Y-%m-%d")}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # an unwritable cache only costs the probe again next time
-    return flops, f"{backend.name} GEMM probe"
+    k = peaks.key(env["host"], env["cpu"], backend.name, backend.device_id(), backend.precision, _threads(backend))
+    hit = peaks.lookup(k)
+    if hit is not None:
+        return hit[0], f"{backend.name} GEMM probe (cached {hit[1]})", k
+    return peaks.store(k, float(probe(backend.precision))), f"{backend.name} GEMM probe", k
 
 
 def _threads(backend: Any) -> Optional[int]:
