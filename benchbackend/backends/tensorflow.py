@@ -7,9 +7,7 @@ per layer (float32 variables, bfloat16 compute; the final softmax and the loss i
 from __future__ import annotations
 
 import functools
-import math
 import os
-import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -20,7 +18,7 @@ import keras
 from ..errors import BackendUnavailable
 from ..model import final_softmax
 from ..workload import ActivationLayer, Workload
-from .base import Backend
+from .base import CPU_GEMM_SIZES, GPU_GEMM_SIZES, Backend, gemm_rate
 from .keras_layers import keras_layers
 
 _POLICY = {"fp32": "float32", "bf16": "mixed_bfloat16"}
@@ -194,25 +192,20 @@ class TensorFlowBackend(Backend):
         return losses
 
     def gemm_peak(self, precision: str) -> float:
-        """Best FLOP/s of a square matmul (n=2048 on CPU, 8192 on GPU) in ``precision``, synced.
-
-        Eager ops, not a tf.function: grappler would merge the identical matmuls of a graph.
-        Runs about 1-2 s.
-        """
+        """Best FLOP/s of a square matmul in ``precision``, synced (n 2048 and 4096 on CPU, 8192 on
+        GPU; a few seconds). Eager ops, not a tf.function: grappler would merge identical matmuls."""
         dtype = {"fp32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}[precision]
-        n, reps = (8192, 10) if self.device.startswith("/GPU") else (2048, 2)
-        with tf.device(self.device):
-            a = tf.cast(tf.random.stateless_uniform((n, n), seed=(0, 1)), dtype)
-            b = tf.cast(tf.random.stateless_uniform((n, n), seed=(0, 2)), dtype)
-            tf.matmul(a, b)[:1, :1].numpy()  # warm-up: kernel selection, thread pool
-            best, spent = math.inf, 0.0
-            for trial in range(20):
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    c = tf.matmul(a, b)
-                c[:1, :1].numpy()  # waits for the queued matmuls (one stream, in order)
-                dt = time.perf_counter() - t0
-                best, spent = min(best, dt), spent + dt
-                if trial >= 2 and spent > 1.5:
-                    break
-        return 2.0 * n ** 3 * reps / best
+
+        def make(n: int, reps: int) -> Any:
+            with tf.device(self.device):
+                a = tf.cast(tf.random.stateless_uniform((n, n), seed=(0, 1)), dtype)
+                b = tf.cast(tf.random.stateless_uniform((n, n), seed=(0, 2)), dtype)
+
+            def run() -> None:
+                with tf.device(self.device):
+                    for _ in range(reps):
+                        c = tf.matmul(a, b)
+                    c[:1, :1].numpy()  # waits for the queued matmuls (one stream, in order)
+            return run
+
+        return gemm_rate(make, GPU_GEMM_SIZES if self.device.startswith("/GPU") else CPU_GEMM_SIZES)
