@@ -61,9 +61,9 @@ def cell(tmp_path, name: str, w: Workload, parity_steps: int = 0, device: str = 
     return msgs, rows
 
 
-# cifar10 is Adam, and Keras computes Adam's step size lr*sqrt(1-b2^t)/(1-b1^t) in float32 (1e-5 off
-# at t=1) where the reference uses float64: 20 steps amplify that to 5e-3 (step 11). With the
-# reference's step size computed as Keras computes it, Keras on JAX agrees to 8e-7.
+# cifar10 is Adam, judged at its workload's trajectory_rtol (5e-2; see workloads/cifar10.yaml: 20
+# Adam steps on that network are chaotic). The reference computes Adam's step size in float32 as
+# Keras does; computed exactly, 20 steps move the trajectory by up to 1e-2.
 
 
 @pytest.mark.parametrize("name", BACKENDS)
