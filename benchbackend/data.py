@@ -71,6 +71,12 @@ class Dataset:
     y_test: np.ndarray
     source: str  # "real" or "synthetic"
 
+    def save(self, path: Any, orders: np.ndarray) -> None:
+        """The .npz a worker reads (``worker._load_arrays``): every split, uint8 images and labels as
+        they are, and ``orders``, the sample order of each epoch (:func:`epoch_orders`)."""
+        np.savez(path, x_train=self.x_train, y_train=self.y_train, x_val=self.x_val, y_val=self.y_val,
+                 x_test=self.x_test, y_test=self.y_test, orders=orders)
+
 
 def default_data_dir() -> Path:
     """``$BENCHBACKEND_DATA``, else ``$XDG_CACHE_HOME/benchbackend/data`` (default ``~/.cache``)."""

@@ -144,8 +144,7 @@ class Runner:
         ds = data.load(w, self.plan.data_source, self.plan.data_dir, progress=self._download_progress)
         orders = data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed)
         path = tmp / f"{w.name}-{w.hash()}.npz"
-        np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val,
-                 x_test=ds.x_test, y_test=ds.y_test, orders=orders)
+        ds.save(path, orders)
         self.data_source[w.hash()] = ds.source
         self.progress(f"[{w.name}] {ds.source} data: {len(ds.y_train)} train, {len(ds.y_val)} validation, "
                       f"{len(ds.y_test)} test")

@@ -30,7 +30,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -143,9 +142,7 @@ def main() -> None:
             w = base.with_overrides(batch_size=bs)
             ds = data.load(w, "synthetic")
             path = os.path.join(tmp, f"data-{bs}.npz")
-            np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val,
-                     x_test=ds.x_test, y_test=ds.y_test,
-                     orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+            ds.save(path, data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
             for spec, mode, precision in cells:
                 label = f"{spec.name}:{mode}@{precision}"
                 rows, why = run_cell(spec, w, mode, precision, args.device, path)

@@ -40,15 +40,13 @@ def envs_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 def job_arrays(tmp_path: Path, w) -> str:
-    """The run's arrays as the runner hands them to a worker (an .npz of synthetic data and orders)."""
-    import numpy as np
-
+    """The run's arrays as the runner hands them to a worker (an .npz of synthetic data and orders),
+    in ``tmp_path``, named by the workload's hash."""
     from benchbackend import data
 
     ds = data.load(w, "synthetic")
-    path = tmp_path / "d.npz"
-    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
-             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    path = tmp_path / f"{w.name}-{w.hash()}.npz"
+    ds.save(path, data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
     return str(path)
 
 

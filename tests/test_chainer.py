@@ -17,9 +17,9 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from benchbackend import checks, data, envs, workload
+from benchbackend import checks, envs, workload
 from benchbackend.workload import Workload
-from conftest import built_env
+from conftest import built_env, job_arrays
 
 pytestmark = pytest.mark.chainer
 
@@ -67,12 +67,9 @@ def with_dropout(optimizer: str = "adam", lr: float = 1e-3) -> Workload:
 def run_cell(env: envs.EnvStatus, w: Workload, tmp: Path, mode: str, device: str = "cpu",
              parity_steps: int = 0) -> tuple[list[dict[str, Any]], str]:
     """The worker's messages (stdout, each line JSON) and its stderr."""
-    ds = data.synthetic(w)
-    npz = tmp / f"{w.name}-{w.hash()}.npz"
-    np.savez(npz, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
-             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    npz = job_arrays(tmp, w)
     job = {"workload": w.to_dict(), "backend": "chainer", "target": TARGET, "mode": mode, "device": device,
-           "repeat": 0, "data": str(npz), "parity_steps": parity_steps, "trains": True}
+           "repeat": 0, "data": npz, "parity_steps": parity_steps, "trains": True}
     proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=json.dumps(job), text=True,
                           capture_output=True, timeout=900, env=envs.worker_env())
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]  # every line is protocol

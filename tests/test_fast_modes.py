@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchbackend import checks, data
+from benchbackend import checks
 from benchbackend import workload as W
 from benchbackend.worker import run_job
 
-from conftest import requires_tf, requires_torch
+from conftest import job_arrays, requires_tf, requires_torch
 
 TARGETS = {"torch": "benchbackend.backends.torch:TorchBackend",
            "tensorflow": "benchbackend.backends.tensorflow:TensorFlowBackend",
@@ -30,12 +30,7 @@ _RUNS: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
 
 @pytest.fixture(scope="module")
 def arrays(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    ds = data.load(WORKLOAD, "synthetic")
-    path = tmp_path_factory.mktemp("fast") / "mnist.npz"
-    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val,
-             x_test=ds.x_test, y_test=ds.y_test,
-             orders=data.epoch_orders(len(ds.y_train), WORKLOAD.training.epochs, WORKLOAD.seed))
-    return path
+    return Path(job_arrays(tmp_path_factory.mktemp("fast"), WORKLOAD))
 
 
 def cell(arrays: Path, backend: str, mode: str, precision: str) -> list[dict[str, Any]]:

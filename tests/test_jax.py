@@ -10,6 +10,7 @@ import pytest
 
 from benchbackend import checks, data, model, timing, worker, workload
 from benchbackend.workload import Workload
+from conftest import job_arrays
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
                                 reason="JAX is not installed (pip install 'benchbackend[jax]')")
@@ -22,20 +23,12 @@ def small(name: str = "mnist", limit: int = 640, epochs: int = 1, repeats: int =
                                 "inference": w.inference.model_copy(update={"repeats": repeats})})
 
 
-def npz(tmp_path, w: Workload) -> str:
-    ds = data.load(w, "synthetic")
-    path = tmp_path / "d.npz"
-    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
-             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
-    return str(path)
-
-
 def run(tmp_path, w: Workload, mode: str = "jit", device: str = "cpu", parity_steps: int = 0,
         options: dict | None = None) -> tuple[list[dict], list[dict]]:
     """(all messages, rows with the trajectory decided) of one in-process cell."""
     msgs: list[dict] = []
     job = {"workload": w.to_dict(), "backend": "jax", "target": TARGET, "mode": mode, "precision": "fp32",
-           "device": device, "repeat": 1, "data": npz(tmp_path, w), "trains": True,
+           "device": device, "repeat": 1, "data": job_arrays(tmp_path, w), "trains": True,
            "parity_steps": parity_steps, "options": options or {}}
     worker.run_job(job, msgs.append)
     rows = [checks.trajectory(m, w) if m.get("losses") is not None else m for m in msgs if m.get("type") == "row"]

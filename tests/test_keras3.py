@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchbackend import backends, checks, data, launch, runner, workload
+from benchbackend import backends, checks, launch, runner, workload
 from benchbackend.workload import Workload
+from conftest import job_arrays
 
 
 def _missing(*modules: str) -> str:
@@ -47,12 +48,8 @@ def env_for(name: str, device: str = "cpu") -> dict[str, str]:
 
 
 def cell(tmp_path, name: str, w: Workload, parity_steps: int = 0, device: str = "cpu") -> tuple[list[dict], list[dict]]:
-    ds = data.load(w, "synthetic")
-    path = tmp_path / "d.npz"
-    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
-             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
     job = {"workload": w.to_dict(), "backend": name, "target": FRAMEWORKS[name][1], "mode": "fit",
-           "precision": "fp32", "device": device, "repeat": 1, "data": str(path), "trains": True,
+           "precision": "fp32", "device": device, "repeat": 1, "data": job_arrays(tmp_path, w), "trains": True,
            "parity_steps": parity_steps, "options": {}}
     msgs: list[dict] = []
     outcome = launch.run_worker(sys.executable, env_for(name, device), job, msgs.append, timeout=900)
@@ -95,11 +92,8 @@ def test_keras_on_the_wrong_framework_is_unavailable_with_the_reason(tmp_path, n
     if _missing(other):
         pytest.skip(_missing(other))
     w = small(limit=64)
-    ds = data.load(w, "synthetic")
-    np.savez(tmp_path / "d.npz", x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val,
-             x_test=ds.x_test, y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), 1, w.seed))
     job = {"workload": w.to_dict(), "backend": name, "target": FRAMEWORKS[name][1], "mode": "fit", "device": "cpu",
-           "repeat": 1, "data": str(tmp_path / "d.npz"), "trains": True}
+           "repeat": 1, "data": job_arrays(tmp_path, w), "trains": True}
     msgs: list[dict] = []
     launch.run_worker(sys.executable, dict(env_for(name), KERAS_BACKEND=other), job, msgs.append, timeout=600)
     unavailable = [m for m in msgs if m.get("type") == "unavailable"]

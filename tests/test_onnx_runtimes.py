@@ -15,6 +15,7 @@ import pytest
 
 from benchbackend import checks, data, model, worker, workload
 from benchbackend.errors import BackendUnavailable
+from conftest import job_arrays
 
 
 def _have(*modules: str) -> bool:
@@ -46,14 +47,11 @@ def _small(name: str = "mnist") -> workload.Workload:
 def _run(tmp_path, w: workload.Workload, runtime: tuple[str, str], precision: str = "fp32",
          device: str = "cpu") -> tuple[list[dict], tuple[str, str]]:
     """One inference-only cell in this process: its messages, and the status checks give it."""
-    ds = data.load(w, "synthetic")
-    path = tmp_path / "d.npz"
-    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
-             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    path = job_arrays(tmp_path, w)
     target, mode = runtime
     msgs: list[dict] = []
     worker.run_job({"workload": w.to_dict(), "backend": target, "target": target, "mode": mode,
-                    "precision": precision, "device": device, "repeat": 1, "data": str(path), "trains": False,
+                    "precision": precision, "device": device, "repeat": 1, "data": path, "trains": False,
                     "options": {"threads": 2}}, msgs.append)
     rows = [m for m in msgs if m.get("type") == "row"]
     return msgs, checks.cell_status(rows, w, precision)

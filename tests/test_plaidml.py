@@ -19,10 +19,10 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from benchbackend import backends, checks, data, envs, workload
+from benchbackend import backends, checks, envs, workload
 from benchbackend.errors import EnvError
 from benchbackend.workload import Workload
-from conftest import built_env
+from conftest import built_env, job_arrays
 
 pytestmark = pytest.mark.plaidml
 PROBE = envs.Probe("plaidml", backends.BACKENDS["plaidml"].target, backends.BACKENDS["plaidml"].env("cpu"))
@@ -158,13 +158,10 @@ def small(name: str = "mnist", limit: int = 128, epochs: int = 1, repeats: Optio
 
 def run_cell(env: envs.EnvStatus, w: Workload, tmp: Path, device: str = "cpu", parity_steps: int = 0,
              extra_env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
-    ds = data.synthetic(w)
-    npz = tmp / f"{w.name}-{w.hash()}.npz"
-    np.savez(npz, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val, x_test=ds.x_test,
-             y_test=ds.y_test, orders=data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    npz = job_arrays(tmp, w)
     spec = backends.BACKENDS["plaidml"]
     job = {"workload": w.to_dict(), "backend": "plaidml", "target": spec.target, "mode": "keras2", "device": device,
-           "repeat": 0, "data": str(npz), "parity_steps": parity_steps}
+           "repeat": 0, "data": npz, "parity_steps": parity_steps}
     proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=json.dumps(job), text=True,
                           capture_output=True, timeout=900,
                           env={**envs.worker_env(), **spec.env(device), **(extra_env or {})})

@@ -15,9 +15,10 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from benchbackend import checks, data
+from benchbackend import checks
 from benchbackend import workload as W
 from benchbackend.worker import run_job
+from conftest import job_arrays
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tvm") is None,
@@ -28,15 +29,6 @@ TARGET = "benchbackend.backends.tvm:TVMBackend"
 TRIALS = 8  # one measured trial per task (7 tasks on mnist): enough to exercise the search
 
 
-def _arrays(tmp: Path, w: W.Workload) -> str:
-    ds = data.load(w, "synthetic", None)
-    orders = data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed)
-    path = tmp / f"{w.name}.npz"
-    np.savez(path, x_train=ds.x_train, y_train=ds.y_train, x_val=ds.x_val, y_val=ds.y_val,
-             x_test=ds.x_test, y_test=ds.y_test, orders=orders)
-    return str(path)
-
-
 def _run(tmp: Path, name: str, mode: str, limit: int = 256, test: int = 0, **options: Any) -> list[dict[str, Any]]:
     w = W.load(name).with_overrides(limit=limit, epochs=1)
     if test:  # --limit keeps 256 test samples; fewer here, and two passes
@@ -44,7 +36,7 @@ def _run(tmp: Path, name: str, mode: str, limit: int = 256, test: int = 0, **opt
                                  "inference": w.inference.model_copy(update={"repeats": 2})})
     rows: list[dict[str, Any]] = []
     run_job({"workload": w.to_dict(), "backend": "tvm", "target": TARGET, "mode": mode, "precision": "fp32",
-             "device": "cpu", "repeat": 0, "data": _arrays(tmp, w), "trains": False, "parity_steps": 0,
+             "device": "cpu", "repeat": 0, "data": job_arrays(tmp, w), "trains": False, "parity_steps": 0,
              "options": options}, rows.append)
     return rows
 
@@ -82,7 +74,7 @@ def test_default_mode_matches_the_reference(tmp_path: Path, name: str) -> None:
     assert "target llvm -mcpu=" in build["message"] and "-num-cores=" in build["message"]
     assert not _phase(rows, "tune"), "default mode searches nothing"
     inference = _phase(rows, "inference")
-    n_test = len(np.load(tmp_path / f"{name}.npz")["y_test"])
+    n_test = len(np.load(next(tmp_path.glob(f"{name}-*.npz")))["y_test"])  # the arrays job_arrays wrote
     assert inference and all(r["samples"] == n_test and r["seconds"] > 0 for r in inference)
 
 
