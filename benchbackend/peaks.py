@@ -44,19 +44,22 @@ def _save(cache: dict[str, Any]) -> None:
         pass  # an unwritable cache only costs the probe again next time
 
 
-def lookup(k: str) -> Optional[tuple[float, str]]:
-    """(FLOP/s, date measured) of a stored probe, or None."""
-    entry = _load().get(k)
+def _entry(cache: dict[str, Any], k: str) -> Optional[tuple[float, str]]:
     try:
-        return float(entry["flops"]), str(entry["when"])
+        return float(cache[k]["flops"]), str(cache[k]["when"])
     except (TypeError, KeyError, ValueError):
         return None
+
+
+def lookup(k: str) -> Optional[tuple[float, str]]:
+    """(FLOP/s, date measured) of a stored probe, or None."""
+    return _entry(_load(), k)
 
 
 def store(k: str, flops: float) -> float:
     """Keep the better of ``flops`` and a stored value (a peak is a maximum); returns the kept one."""
     cache = _load()
-    old = lookup(k)
+    old = _entry(cache, k)
     if old is not None and old[0] >= flops:
         return old[0]
     cache[k] = {"flops": flops, "when": time.strftime("%Y-%m-%d")}

@@ -252,9 +252,8 @@ class Runner:
         --peak-tflops). Say so on the row, and drop the cached probe so the next run measures again."""
         from . import peaks
 
-        first = not state.warned_peak
+        first = state.peak_dropped is None
         if first:
-            state.warned_peak = True
             state.peak_dropped = bool(state.peak_key) and peaks.forget(state.peak_key)
         why = (f"MFU {row['mfu']:.0%} is above 100%: the peak ({state.base.get('peak_source')}) is too low"
                + ("; the cached probe is dropped, the next run probes again" if state.peak_dropped else ""))
@@ -308,8 +307,8 @@ class CellState:
     stored: list[dict[str, Any]] = field(default_factory=list)
     #: The GEMM-peak cache entry this cell's MFU uses ("" when none), dropped when shown too low.
     peak_key: str = ""
-    warned_peak: bool = False
-    peak_dropped: bool = False
+    #: None until a row showed the peak too low; then whether the cached probe was dropped.
+    peak_dropped: Optional[bool] = None
 
 
 def check_backends(names: list[str]) -> None:
