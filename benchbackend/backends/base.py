@@ -151,13 +151,13 @@ CPU_GEMM_SIZES = ((2048, 2), (4096, 1))
 GPU_GEMM_SIZES = ((8192, 10),)
 
 
-def gemm_rate(make: Callable[[int, int], Callable[[], None]], sizes: Sequence[tuple[int, int]],
-              budget_s: float = 1.5) -> float:
-    """Best FLOP/s of square matmuls over ``sizes``. ``make(n, reps)`` prepares the operands and
-    returns a function that runs ``reps`` n x n matmuls and waits for them. One warm-up call per
-    size, then at least 3 timed trials, more while under ``budget_s``; the best trial counts."""
+def gemm_rate(make: Callable[[int, int], Callable[[], None]], cpu: bool, budget_s: float = 1.5) -> float:
+    """Best FLOP/s of square matmuls over the sizes for a CPU or an accelerator. ``make(n, reps)``
+    prepares the operands and returns a function that runs ``reps`` n x n matmuls and waits for
+    them. One warm-up call per size, then at least 3 timed trials, more while under ``budget_s``;
+    the best trial counts."""
     rate = 0.0
-    for n, reps in sizes:
+    for n, reps in CPU_GEMM_SIZES if cpu else GPU_GEMM_SIZES:
         run = make(n, reps)
         run()  # library init, thread pool, kernel selection
         best, spent = math.inf, 0.0

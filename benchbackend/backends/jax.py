@@ -31,7 +31,7 @@ from jax import lax
 from ..errors import BackendUnavailable
 from ..model import describe, same_pads
 from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
-from .base import CPU_GEMM_SIZES, GPU_GEMM_SIZES, Backend, gemm_rate
+from .base import Backend, gemm_rate
 
 _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 _INSTALL = {"gpu": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]' (on a Cloud TPU VM)"}
@@ -205,7 +205,7 @@ class JaxBackend(Backend):
                 c.block_until_ready()
             return run
 
-        return gemm_rate(make, CPU_GEMM_SIZES if self.device.platform == "cpu" else GPU_GEMM_SIZES)
+        return gemm_rate(make, cpu=self.device.platform == "cpu")
 
     # --- model --------------------------------------------------------------------------------
     def build(self, weights: Sequence[np.ndarray]) -> int:

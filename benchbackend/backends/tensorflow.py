@@ -18,7 +18,7 @@ import keras
 from ..errors import BackendUnavailable
 from ..model import final_softmax
 from ..workload import ActivationLayer, Workload
-from .base import CPU_GEMM_SIZES, GPU_GEMM_SIZES, Backend, gemm_rate
+from .base import Backend, gemm_rate
 from .keras_layers import keras_layers
 
 _POLICY = {"fp32": "float32", "bf16": "mixed_bfloat16"}
@@ -208,4 +208,4 @@ class TensorFlowBackend(Backend):
                     c[:1, :1].numpy()  # waits for the queued matmuls (one stream, in order)
             return run
 
-        return gemm_rate(make, GPU_GEMM_SIZES if self.device.startswith("/GPU") else CPU_GEMM_SIZES)
+        return gemm_rate(make, cpu=not self.device.startswith("/GPU"))

@@ -22,7 +22,7 @@ from ..errors import BackendUnavailable
 from ..model import describe, from_nchw_weights, same_pads, to_nchw_weights
 from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
 from ._numpy_ops import keras_adam_step_size
-from .base import CPU_GEMM_SIZES, GPU_GEMM_SIZES, Backend, gemm_rate
+from .base import Backend, gemm_rate
 
 _ACT = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 _AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -119,7 +119,7 @@ class TorchBackend(Backend):
                 self.sync()
             return run
 
-        return gemm_rate(make, GPU_GEMM_SIZES if self.device.type == "cuda" else CPU_GEMM_SIZES)
+        return gemm_rate(make, cpu=self.device.type != "cuda")
 
     def sync(self) -> None:
         if self.device.type == "cuda":
