@@ -82,8 +82,7 @@ def main() -> None:
             adapter.build([np.array(a) for a in weights])
             runs[name] = adapter.train_steps(batches)
         for name, opt in wrong_rules(w).items():
-            runs[name] = reference._train_steps(w, [np.array(a, np.float64) for a in weights], opt, batches,
-                                                np, np.float64)
+            runs[name] = reference.train_losses(w, weights, batches, np.float64, opt)
         for name, losses in runs.items():
             rel = np.abs(np.array(losses) - yardstick) / np.abs(yardstick)
             table.setdefault(name, []).append(float(np.nanmax(rel)) if np.all(np.isfinite(rel)) else float("inf"))

@@ -141,14 +141,16 @@ def forward(workload: Workload, weights: Sequence[np.ndarray], x: np.ndarray,
 
 
 def train_losses(workload: Workload, weights: Sequence[np.ndarray],
-                 batches: Sequence[tuple[np.ndarray, np.ndarray]], dtype: Any = np.float64) -> list[float]:
+                 batches: Sequence[tuple[np.ndarray, np.ndarray]], dtype: Any = np.float64,
+                 optimizer: Optional[ops.Optimizer] = None) -> list[float]:
     """Loss of each of ``len(batches)`` training steps from ``weights``, dropout disabled.
 
     ``batches`` are ``(x, integer labels)``; each loss comes from the forward pass before that
-    step's update (as frameworks report it). ``weights`` are not modified.
+    step's update (as frameworks report it). ``weights`` are not modified. ``optimizer`` replaces
+    the workload's (benchmarks/trajectory_spread.py runs deliberately wrong rules through it).
     """
-    return _train_steps(workload, [np.array(w, dtype) for w in weights], ops.make_optimizer(workload.training),
-                        batches, np, dtype)
+    return _train_steps(workload, [np.array(w, dtype) for w in weights],
+                        optimizer or ops.make_optimizer(workload.training), batches, np, dtype)
 
 
 def _train_steps(workload: Workload, weights: list[Array], optimizer: ops.Optimizer,
