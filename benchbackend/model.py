@@ -91,7 +91,13 @@ def param_count(workload: Workload) -> int:
     return sum(li.params for li in describe(workload))
 
 
+#: A training sample costs this many forward passes of FLOPs: the forward, the gradient of the
+#: activations and the gradient of the weights (MFU counts training this way everywhere).
+TRAIN_FLOPS_FACTOR = 3
+
+
 def flops_per_sample(workload: Workload) -> int:
+    """Forward FLOPs of one sample (a multiply-add counts 2); training: x TRAIN_FLOPS_FACTOR."""
     return sum(li.flops for li in describe(workload))
 
 

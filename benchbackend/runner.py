@@ -238,12 +238,13 @@ class Runner:
     # --- rows -------------------------------------------------------------------------------
     @staticmethod
     def _mfu(row: dict[str, Any], state: "CellState") -> dict[str, Any]:
-        """achieved_flops (a training sample costs 3x its forward FLOPs: forward, two backward
-        products) and mfu, the fraction of the measured peak, for a timed row."""
+        """achieved_flops (a training sample costs model.TRAIN_FLOPS_FACTOR forward passes) and mfu,
+        the fraction of the measured peak, for a timed row."""
         phase, rate = row.get("phase"), row.get("samples_per_s")
         if phase not in ("train_epoch", "inference") or not rate:
             return {}
-        achieved = (3 if phase == "train_epoch" else 1) * state.base["flops_per_sample"] * rate
+        passes = model.TRAIN_FLOPS_FACTOR if phase == "train_epoch" else 1
+        achieved = passes * state.base["flops_per_sample"] * rate
         peak = state.base.get("peak_flops")
         return {"achieved_flops": achieved, "mfu": achieved / peak if peak else None}
 

@@ -36,9 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchbackend import backends, data  # noqa: E402
 from benchbackend import workload as W  # noqa: E402
-from benchbackend.model import flops_per_sample  # noqa: E402
+from benchbackend.model import TRAIN_FLOPS_FACTOR, flops_per_sample  # noqa: E402
 
-TRAIN_FLOPS_FACTOR = 3  # forward + backward (activations) + backward (weights)
 PEAK_CODE = """
 import json, sys
 from benchbackend import workload

@@ -57,7 +57,7 @@ def main() -> None:
         b.sync()
         wall = time.perf_counter() - t0
     n = len(ds.y_train)
-    flops = 3 * model.flops_per_sample(w) * n
+    flops = model.TRAIN_FLOPS_FACTOR * model.flops_per_sample(w) * n
     print(f"torch {torch.__version__} {args.mode}@{args.precision}, batch {args.batch_size}, {n} samples, "
           f"{torch.get_num_threads()} threads")
     print(f"warm-up epoch {warm:.2f} s; profiled epoch {wall:.2f} s = {n / wall:.0f} samples/s, "
