@@ -5,16 +5,16 @@ for backends in their own environment, from that environment), versions from pac
 """
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
-import importlib.util
 import os
-import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Optional
 
 from ..errors import BackendUnavailable
+from .spec import BackendSpec, Capabilities, Mode, gpu_index
+
+__all__ = ["BACKENDS", "BackendSpec", "Capabilities", "Mode", "get", "installed", "isolated_envs", "problem",
+           "register", "require", "require_any", "version"]
 
 
 def _tf_env(device: str) -> dict[str, str]:
@@ -38,7 +38,8 @@ def _keras_jax_env(device: str) -> dict[str, str]:
 
 
 def _keras_torch_env(device: str) -> dict[str, str]:
-    return {"KERAS_BACKEND": "torch", "KERAS_TORCH_DEVICE": "cpu" if device == "cpu" else "cuda"}
+    index = gpu_index(device, "keras-torch")
+    return {"KERAS_BACKEND": "torch", "KERAS_TORCH_DEVICE": "cpu" if index is None else f"cuda:{index}"}
 
 
 def _plaidml_env(device: str) -> dict[str, str]:
@@ -47,126 +48,83 @@ def _plaidml_env(device: str) -> dict[str, str]:
     return {"PLAIDML_EXPERIMENTAL": "1", "KERAS_BACKEND": "plaidml.keras.backend"}
 
 
-@dataclass(frozen=True)
-class Mode:
-    """One execution strategy of a backend (eager, compiled, XLA, static graph, tuned, ...)."""
-
-    name: str
-    description: str
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """A backend's declaration: everything the CLI, ``list`` and the runner need without importing it.
-
-    ``modes``: the first is the default. ``precisions``: ``fp32`` always. ``trains``: False for
-    inference-only runtimes, which get build, parity and inference rows only.
-    """
-
-    name: str
-    target: str                 # "package.module:ClassName" of the adapter (imported by the worker only)
-    import_name: str            # top-level package find_spec looks for
-    dist_name: str              # distribution for the version (importlib.metadata)
-    install: str                # the command that installs it
-    description: str
-    modes: tuple[Mode, ...]
-    precisions: tuple[str, ...] = ("fp32",)
-    trains: bool = True
-    env: Callable[[str], dict[str, str]] = field(default=lambda device: {})
-    #: None: runs in the current interpreter; else the name of an isolated env (``benchbackend setup NAME``).
-    isolated_env: Optional[str] = None
-    #: An explicit interpreter for the workers (configs/backends.yaml), else None.
-    python: Optional[str] = None
-    devices: tuple[str, ...] = ("cpu", "gpu")
-
-    def accepts(self, device: str) -> bool:
-        """Whether ``--device`` has one of the forms in ``devices`` ("cuda:N": N digits; "<id>": any id)."""
-        for form in self.devices:
-            if form.startswith("<"):
-                return True
-            pattern = re.escape(form).replace("N", r"\d+")
-            if re.fullmatch(pattern, device):
-                return True
-        return False
-
-    @property
-    def mode_names(self) -> tuple[str, ...]:
-        return tuple(m.name for m in self.modes)
-
-    @property
-    def default_mode(self) -> str:
-        return self.modes[0].name
-
-    def load_class(self):
-        module, _, cls = self.target.partition(":")
-        return getattr(importlib.import_module(module), cls)
-
-
 def _adapter(module: str, cls: str) -> str:
     return f"benchbackend.backends.{module}:{cls}"
+
+
+#: The ``--device`` forms of a CUDA GPU, which every GPU-capable adapter resolves (``spec.gpu_index``).
+_GPU = ("gpu", "gpu:N", "cuda", "cuda:N")
+#: The GEMM probe and thread control: what torch, TensorFlow and JAX adapters declare.
+_PROBING = Capabilities(peak_probe=True, thread_control=True)
 
 
 BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in [
-        BackendSpec("numpy", _adapter("reference", "NumpyBackend"), "numpy", "numpy", "pip install numpy",
+        BackendSpec("numpy", _adapter("reference", "NumpyBackend"), ("numpy",), "numpy", "pip install numpy",
                     "NumPy reference (ground truth; CuPy on --device gpu)",
                     modes=(Mode("reference", "the NumPy/CuPy reference implementation, batch by batch"),),
-                    precisions=("fp32", "fp64")),
-        BackendSpec("torch", _adapter("torch", "TorchBackend"), "torch", "torch",
+                    precisions=("fp32", "fp64"), optional=("cupy",), devices=("cpu", *_GPU)),
+        BackendSpec("torch", _adapter("torch", "TorchBackend"), ("torch",), "torch",
                     "pip install 'benchbackend[torch]' torch==2.13.0", "PyTorch (CPU, CUDA)",
                     modes=(Mode("eager", "define-by-run nn.Module (NCHW), one optimizer step per batch"),
                            Mode("channels_last", "eager, model and inputs in torch.channels_last (oneDNN's CPU "
                                                  "layout)"),
                            Mode("compile", "torch.compile of the model (inductor, static shapes); compiling lands "
                                            "in the first epoch")),
-                    precisions=("fp32", "bf16", "fp16"), env=_torch_env, devices=("cpu", "gpu", "cuda", "cuda:N")),
-        BackendSpec("tensorflow", _adapter("tensorflow", "TensorFlowBackend"), "tensorflow", "tensorflow-cpu",
-                    "pip install 'benchbackend[tensorflow]' (tensorflow on GPU machines)",
+                    precisions=("fp32", "bf16", "fp16"), env=_torch_env, extra="torch",
+                    devices=("cpu", *_GPU), capabilities=_PROBING),
+        BackendSpec("tensorflow", _adapter("tensorflow", "TensorFlowBackend"), ("tensorflow", "keras"),
+                    "tensorflow-cpu", "pip install 'benchbackend[tensorflow]' (tensorflow on GPU machines)",
                     "TensorFlow 2 / Keras 3 (CPU, GPU)",
                     modes=(Mode("tf.function", "Keras 3 model, a traced tf.function train step per batch shape"),
                            Mode("xla", "the same train/predict steps compiled by XLA (jit_compile=True)")),
-                    precisions=("fp32", "bf16"), env=_tf_env, devices=("cpu", "gpu", "cuda", "/GPU:N")),
-        BackendSpec("jax", _adapter("jax", "JaxBackend"), "jax", "jax", "pip install 'benchbackend[jax]'",
+                    precisions=("fp32", "bf16"), env=_tf_env, extra="tensorflow",
+                    devices=("cpu", *_GPU, "/GPU:N"), capabilities=_PROBING),
+        BackendSpec("jax", _adapter("jax", "JaxBackend"), ("jax",), "jax", "pip install 'benchbackend[jax]'",
                     "JAX / XLA (CPU; GPU with jax[cuda12]; TPU with jax[tpu])",
                     modes=(Mode("jit", "lax/jnp layers, one jitted train step per batch"),
                            Mode("scan", "K train steps per dispatch in lax.scan (K = --steps-per-execution)")),
-                    precisions=("fp32", "bf16"), env=_jax_env, devices=("cpu", "gpu", "tpu")),
-        BackendSpec("keras-jax", _adapter("keras3", "KerasJaxBackend"), "keras", "keras",
+                    precisions=("fp32", "bf16"), env=_jax_env, extra="jax", devices=("cpu", *_GPU, "tpu", "tpu:N"),
+                    capabilities=Capabilities(peak_probe=True)),
+        BackendSpec("keras-jax", _adapter("keras3", "KerasJaxBackend"), ("keras", "jax"), "keras",
                     "pip install 'benchbackend[keras3]'", "Keras 3 on JAX (CPU, GPU, TPU)",
                     modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, jit_compile per Keras default "
                                        "(XLA)"),),
-                    env=_keras_jax_env, devices=("cpu", "gpu", "tpu")),
-        BackendSpec("keras-torch", _adapter("keras3", "KerasTorchBackend"), "keras", "keras",
+                    env=_keras_jax_env, extra="keras3", devices=("cpu", *_GPU, "tpu", "tpu:N")),
+        BackendSpec("keras-torch", _adapter("keras3", "KerasTorchBackend"), ("keras", "torch"), "keras",
                     "pip install 'benchbackend[keras3,torch]' torch==2.13.0", "Keras 3 on PyTorch (CPU, CUDA)",
                     modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, eager torch per Keras default"),),
-                    env=_keras_torch_env),
-        BackendSpec("onnxruntime", _adapter("onnxruntime", "OnnxRuntimeBackend"), "onnxruntime", "onnxruntime",
-                    "pip install 'benchbackend[onnxruntime]' (onnxruntime-gpu on CUDA machines)",
+                    env=_keras_torch_env, extra="keras3", devices=("cpu", *_GPU)),
+        BackendSpec("onnxruntime", _adapter("onnxruntime", "OnnxRuntimeBackend"), ("onnxruntime", "onnx"),
+                    "onnxruntime", "pip install 'benchbackend[onnxruntime]' (onnxruntime-gpu on CUDA machines)",
                     "ONNX Runtime on the spec's ONNX graph (CPU, CUDA)",
-                    modes=(Mode("default", "InferenceSession, all graph optimizations, CPU or CUDA execution provider"),),
-                    trains=False, devices=("cpu", "gpu", "cuda")),
-        BackendSpec("openvino", _adapter("openvino", "OpenVinoBackend"), "openvino", "openvino",
+                    modes=(Mode("default", "InferenceSession, all graph optimizations, CPU or CUDA execution "
+                                           "provider"),),
+                    trains=False, extra="onnxruntime", devices=("cpu", *_GPU),
+                    capabilities=Capabilities(thread_control=True)),
+        BackendSpec("openvino", _adapter("openvino", "OpenVinoBackend"), ("openvino", "onnx"), "openvino",
                     "pip install 'benchbackend[openvino]'",
                     "OpenVINO on the spec's ONNX graph (CPU, Intel GPU)",
                     modes=(Mode("latency", "PERFORMANCE_HINT=LATENCY: one stream, one batch at a time"),
                            Mode("throughput", "PERFORMANCE_HINT=THROUGHPUT: batches in flight on parallel streams")),
-                    precisions=("fp32", "bf16"), trains=False),
-        BackendSpec("tvm", _adapter("tvm", "TVMBackend"), "tvm", "apache-tvm", "pip install 'benchbackend[tvm]'",
+                    precisions=("fp32", "bf16"), trains=False, extra="openvino", devices=("cpu", "gpu", "gpu:N"),
+                    capabilities=Capabilities(thread_control=True)),
+        BackendSpec("tvm", _adapter("tvm", "TVMBackend"), ("tvm",), "apache-tvm", "pip install 'benchbackend[tvm]'",
                     "Apache TVM 0.27 Relax compiled for the host CPU (llvm -mcpu=<detected>)",
                     modes=(Mode("default", "Relax default pipeline for llvm -mcpu=<host>; no schedule search"),
                            Mode("tuned", "MetaSchedule search (--tune-trials), database cached per model, batch "
                                          "and target, then recompiled")),
-                    trains=False, devices=("cpu",)),
-        BackendSpec("chainer", _adapter("chainer", "ChainerBackend"), "chainer", "chainer",
+                    trains=False, extra="tvm", devices=("cpu",), capabilities=Capabilities(thread_control=True)),
+        BackendSpec("chainer", _adapter("chainer", "ChainerBackend"), ("chainer",), "chainer",
                     "benchbackend setup chainer", "Chainer 7.8.1 in its own env (NumPy on CPU; CuPy GPU if present)",
                     modes=(Mode("define-by-run", "a Chain whose forward pass builds the graph on every call"),
                            Mode("static-graph", "the Chain's forward method under chainer.static_graph: traced once "
                                                 "per input shape, then replayed"),
                            Mode("ideep", "define-by-run on Intel iDeep (MKL-DNN) kernels; needs ideep4py "
                                          "(no wheels for Python >= 3.8)")),
-                    isolated_env="chainer", devices=("cpu", "gpu")),
-        BackendSpec("plaidml", _adapter("plaidml", "PlaidMLBackend"), "plaidml", "plaidml",
+                    optional=("cupy",), isolated_env="chainer", devices=("cpu", *_GPU)),
+        BackendSpec("plaidml", _adapter("plaidml", "PlaidMLBackend"), ("plaidml",), "plaidml",
                     "benchbackend setup plaidml", "PlaidML 0.7 + Keras 2.2.4 (OpenCL, LLVM CPU)",
                     modes=(Mode("keras2", "Keras 2.2.4 train_on_batch/predict, batches fed from host memory"),),
                     env=_plaidml_env, isolated_env="plaidml", devices=("cpu", "gpu", "opencl", "<PlaidML device id>")),
@@ -227,13 +185,23 @@ def get(name: str) -> BackendSpec:
 
 def installed(spec: BackendSpec) -> bool:
     """Whether the backend can run here, without importing it."""
+    return not problem(spec)
+
+
+def problem(spec: BackendSpec) -> str:
+    """Why the backend cannot run here ("" when it can): an interpreter that does not exist, an
+    isolated environment not built, or a required module missing (keras-jax without jax, say)."""
     if spec.python:
-        return Path(spec.python).is_file()  # what it can import shows when its worker starts
+        # What that interpreter can import shows when its worker starts.
+        return "" if Path(spec.python).is_file() else f"configured python {spec.python} does not exist"
     if spec.isolated_env:
         from .. import envs
 
-        return envs.is_ready(spec.isolated_env)
-    return importlib.util.find_spec(spec.import_name) is not None
+        return "" if envs.is_ready(spec.isolated_env) else "its environment is not built"
+    missing = spec.missing()
+    if not missing:
+        return ""
+    return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
 
 
 def version(spec: BackendSpec) -> str:
@@ -252,6 +220,20 @@ def version(spec: BackendSpec) -> str:
 
 
 def require(spec: BackendSpec) -> None:
-    if not installed(spec):
-        where = f" (configured python {spec.python} does not exist)" if spec.python else ""
-        raise BackendUnavailable(f"backend '{spec.name}' is not installed{where}: {spec.install}")
+    """Raise ``BackendUnavailable`` (one line: what is missing and the install command) unless it can run."""
+    why = problem(spec)
+    if why:
+        raise BackendUnavailable(f"backend '{spec.name}' is not installed ({why}): {spec.install}")
+
+
+def require_any(names: list[str]) -> None:
+    """Raise ``BackendUnavailable`` naming every install command when none of ``names`` can run
+    here (a matrix with some of them gives the others ``unavailable`` rows instead)."""
+    problems = []
+    for name in names:
+        try:
+            require(get(name))
+        except BackendUnavailable as exc:
+            problems.append(str(exc))
+    if problems and len(problems) == len(names):
+        raise BackendUnavailable("; ".join(problems))

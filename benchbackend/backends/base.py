@@ -47,6 +47,9 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 import numpy as np
 
 from ..workload import Workload
+from .spec import gpu_index
+
+__all__ = ["Backend", "accuracy", "batches", "cross_entropy", "gemm_rate", "gpu_index"]
 
 
 class Backend(ABC):
@@ -126,6 +129,15 @@ class Backend(ABC):
         """Current weights converted back to the canonical layout (tests use it)."""
         raise NotImplementedError
 
+    # --- capabilities (declared in the registry entry's ``Capabilities``) -------------------------
+    def gemm_peak(self, precision: str) -> float:
+        """``peak_probe``: best FLOP/s of a square matmul in ``precision`` on this device, synced."""
+        raise NotImplementedError(f"{self.name} has no GEMM probe")
+
+    def threads(self) -> int:
+        """``thread_control``: the intra-op threads this framework really uses."""
+        raise NotImplementedError(f"{self.name} does not report its threads")
+
 
 def batches(order: np.ndarray, batch_size: int):
     """Consecutive index slices of ``order``; the last batch may be short (as Keras fit does)."""
@@ -145,8 +157,8 @@ def cross_entropy(probs: np.ndarray, labels: np.ndarray) -> float:
     return float(-np.mean(np.log(p)))
 
 
-#: GEMM-probe sizes (n, matmuls per trial). On CPU the best size differs by library and dtype
-#: (this 2-core EPYC: torch fp32 152 GFLOP/s at 2048, 181 at 4096; bf16 414 at 2048, 383 at 4096).
+#: GEMM-probe sizes (n, matmuls per trial). On a CPU the best size differs by library and dtype
+#: (one size can read 15% below the other), so both are tried and the better one counts.
 CPU_GEMM_SIZES = ((2048, 2), (4096, 1))
 GPU_GEMM_SIZES = ((8192, 10),)
 
@@ -155,18 +167,42 @@ def gemm_rate(make: Callable[[int, int], Callable[[], None]], cpu: bool, budget_
     """Best FLOP/s of square matmuls over the sizes for a CPU or an accelerator. ``make(n, reps)``
     prepares the operands and returns a function that runs ``reps`` n x n matmuls and waits for
     them. One warm-up call per size, then at least 3 timed trials, more while under ``budget_s``;
-    the best trial counts."""
-    rate = 0.0
-    for n, reps in CPU_GEMM_SIZES if cpu else GPU_GEMM_SIZES:
+    the best trial counts.
+
+    A precision the hardware only emulates can run two to three orders of magnitude slower than
+    fp32 (bf16 on a CPU without AVX512_BF16 or AMX), where one 4096 x 4096 matmul would take
+    minutes; so one small matmul first sizes the probe: a size whose call would take more than a
+    third of the budget is replaced by the largest power of two that fits (256 at least)."""
+    sizes = CPU_GEMM_SIZES if cpu else GPU_GEMM_SIZES
+    small = make(_PILOT_N, 1)
+    small()
+    rate = 2.0 * _PILOT_N ** 3 / max(_best_time(small, 1), 1e-9)
+    fits = [(n, reps) for n, reps in sizes if 2.0 * n ** 3 * reps / rate <= budget_s / 3]
+    if not fits:
+        n = _PILOT_N
+        while 2.0 * (2 * n) ** 3 / rate <= budget_s / 3:
+            n *= 2
+        fits = [(n, 1)]
+    best_rate = 0.0
+    for n, reps in fits:
         run = make(n, reps)
         run()  # library init, thread pool, kernel selection
-        best, spent = math.inf, 0.0
-        for trial in range(20):
-            t0 = time.perf_counter()
-            run()
-            dt = time.perf_counter() - t0
-            best, spent = min(best, dt), spent + dt
-            if trial >= 2 and spent > budget_s:
-                break
-        rate = max(rate, 2.0 * n ** 3 * reps / best)
-    return rate
+        best_rate = max(best_rate, 2.0 * n ** 3 * reps / _best_time(run, budget_s))
+    return best_rate
+
+
+#: The size of the matmul that sizes a GEMM probe (see ``gemm_rate``).
+_PILOT_N = 256
+
+
+def _best_time(run: Callable[[], None], budget_s: float) -> float:
+    """The best of at least 3 timed calls of ``run``, more (up to 20) while under ``budget_s``."""
+    best, spent = math.inf, 0.0
+    for trial in range(20):
+        t0 = time.perf_counter()
+        run()
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+        if trial >= 2 and spent > budget_s:
+            break
+    return best

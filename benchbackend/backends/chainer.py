@@ -25,7 +25,7 @@ from chainer.backends import cuda, intel64
 from ..errors import BackendUnavailable
 from ..model import describe, final_softmax, from_nchw_weights, same_pads, to_nchw_weights
 from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
-from .base import Backend
+from .base import Backend, gpu_index
 
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
     "relu": F.relu, "tanh": F.tanh, "sigmoid": F.sigmoid, "softmax": lambda h: F.softmax(h, axis=1)}
@@ -127,17 +127,15 @@ class ChainerBackend(Backend):
             raise BackendUnavailable(f"chainer: unknown mode '{mode}'; use define-by-run, static-graph or ideep")
         if precision != "fp32":
             raise BackendUnavailable(f"chainer: precision {precision} is not supported; use fp32")
-        if device == "cpu":
-            self.xp, self.gpu = np, False
-        elif device in ("gpu", "cuda") or device.startswith("cuda:"):
+        index = gpu_index(device, self.name)
+        self.xp, self.gpu = np, index is not None
+        if self.gpu:
             if not cuda.available:
                 raise BackendUnavailable("chainer sees no CUDA GPU: CuPy is not importable in the chainer "
                                          "environment (Chainer 7.8.1 needs cupy>=7.7,<8, which has no wheels for "
                                          "this Python); use --device cpu")
-            self.xp, self.gpu = cuda.cupy, True
-            self.device = chainer.get_device(f"@cupy:{0 if device in ('gpu', 'cuda') else int(device[5:])}")
-        else:
-            raise BackendUnavailable(f"chainer: unknown device '{device}'; use cpu, gpu or cuda:N")
+            self.xp = cuda.cupy
+            self.device = chainer.get_device(f"@cupy:{index}")
         if mode == "ideep":
             if self.gpu:
                 raise BackendUnavailable("chainer:ideep is a CPU mode (Intel MKL-DNN); use --device cpu")

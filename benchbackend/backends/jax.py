@@ -31,9 +31,8 @@ from jax import lax
 from ..errors import BackendUnavailable
 from ..model import describe, same_pads
 from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
-from .base import Backend, gemm_rate
+from .base import Backend, gemm_rate, gpu_index
 
-_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 _INSTALL = {"gpu": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]' (on a Cloud TPU VM)"}
 DEFAULT_STEPS_PER_EXECUTION = 32
 
@@ -94,6 +93,26 @@ def make_forward(workload: Workload) -> Forward:
     return logits
 
 
+def jax_device(device: str, backend: str) -> jax.Device:
+    """The JAX device ``--device`` names (``cpu``, ``gpu[:N]``, ``cuda[:N]``, ``tpu[:N]``), or
+    ``BackendUnavailable`` saying what JAX sees instead (shared by the jax and keras-jax adapters)."""
+    if device == "tpu" or device.startswith("tpu:"):
+        platform, index = "tpu", int(device[4:] or 0)
+    else:
+        gpu = gpu_index(device, backend)
+        platform, index = ("cpu", 0) if gpu is None else ("gpu", gpu)
+    try:
+        found = jax.devices(platform)
+    except RuntimeError as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        raise BackendUnavailable(f"{backend}: jax sees no {platform.upper()} ({first}); "
+                                 f"{_INSTALL.get(platform, '')}".rstrip("; ")) from None
+    if index >= len(found):
+        raise BackendUnavailable(f"{backend}: jax sees {len(found)} {platform} device(s); there is no "
+                                 f"{platform}:{index}")
+    return found[index]
+
+
 # --- Keras 3 optimizers (update rules and defaults of keras.optimizers.SGD / Adam / RMSprop) -----
 def _init_state(optimizer: str, momentum: float, params: Params) -> dict[str, Any]:
     zeros = lambda: [jnp.zeros_like(p) for p in params]  # noqa: E731
@@ -142,15 +161,7 @@ class JaxBackend(Backend):
     def __init__(self, workload: Workload, device: str, mode: str = "jit", precision: str = "fp32",
                  options: Optional[dict[str, Any]] = None):
         super().__init__(workload, device, mode, precision, options)
-        platform = _PLATFORMS.get(device)
-        if platform is None:
-            raise BackendUnavailable(f"jax: unknown device '{device}'; use cpu, gpu or tpu")
-        try:
-            self.device = jax.devices(platform)[0]
-        except RuntimeError as exc:
-            first = (str(exc).splitlines() or [""])[0]
-            raise BackendUnavailable(f"jax sees no {platform.upper()} ({first}); "
-                                     f"{_INSTALL.get(platform, '')}".rstrip("; ")) from None
+        self.device = jax_device(device, self.name)
         if mode not in ("jit", "scan"):
             raise BackendUnavailable(f"jax: unknown mode '{mode}'; use jit or scan")
         if precision not in ("fp32", "bf16"):
@@ -169,7 +180,8 @@ class JaxBackend(Backend):
     # --- identity -----------------------------------------------------------------------------
     @classmethod
     def probe(cls) -> dict:
-        return {"version": jax.__version__, "devices": [f"{d.platform}:{d.id} ({d.device_kind})" for d in jax.devices()]}
+        devices = [f"{d.platform}:{d.id} ({d.device_kind})" for d in jax.devices()]
+        return {"version": jax.__version__, "devices": devices}
 
     def version(self) -> str:
         return jax.__version__

@@ -130,14 +130,9 @@ class KerasJaxBackend(KerasBackend):
     def _resolve_device(self, device: str) -> str:
         import jax
 
-        platform = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}.get(device)
-        if platform is None:
-            raise BackendUnavailable(f"{self.name}: unknown device '{device}'; use cpu, gpu or tpu")
-        try:
-            dev = jax.devices(platform)[0]
-        except RuntimeError as exc:
-            raise BackendUnavailable(f"{self.name}: jax sees no {platform.upper()} "
-                                     f"({(str(exc).splitlines() or [''])[0]})") from None
+        from .jax import jax_device
+
+        dev = jax_device(device, self.name)
         # Keras on JAX puts variables and steps on JAX's default device.
         jax.config.update("jax_default_device", dev)
         self._gpu = "" if dev.platform == "cpu" else str(dev.device_kind)
@@ -163,24 +158,17 @@ class KerasTorchBackend(KerasBackend):
     framework = "torch"
 
     def _resolve_device(self, device: str) -> str:
-        import torch
+        from .torch import cuda_device
 
-        if device == "cpu":
-            want = "cpu"
-        elif device in ("gpu", "cuda"):
-            if not torch.cuda.is_available():
-                raise BackendUnavailable(f"{self.name}: torch sees no CUDA GPU (torch.cuda.is_available() is False)")
-            want = "cuda"
-        else:
-            raise BackendUnavailable(f"{self.name}: unknown device '{device}'; use cpu or gpu")
+        want = str(cuda_device(device, self.name))
         from keras.src.backend.torch.core import get_device
 
         # Keras picks its torch device when imported (KERAS_TORCH_DEVICE, else CUDA when present).
         actual = str(get_device())
-        if actual.split(":")[0] != want:
+        if actual != want and not (want == "cuda:0" and actual == "cuda"):
             raise BackendUnavailable(f"{self.name}: Keras placed itself on torch device '{actual}'; "
                                      f"set KERAS_TORCH_DEVICE={want} before keras is imported")
-        return "cuda:0" if want == "cuda" else "cpu"
+        return want
 
     @classmethod
     def _devices(cls) -> list[str]:
@@ -198,10 +186,10 @@ class KerasTorchBackend(KerasBackend):
             return ""
         import torch
 
-        return torch.cuda.get_device_name(0)
+        return torch.cuda.get_device_name(torch.device(self.device))
 
     def sync(self) -> None:
         if self.device != "cpu":
             import torch
 
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(torch.device(self.device))

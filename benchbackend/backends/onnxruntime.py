@@ -10,9 +10,7 @@ import onnxruntime as ort
 from ..errors import BackendUnavailable
 from ..workload import Workload
 from . import onnx_graph
-from .base import Backend
-
-_PROVIDERS = {"cpu": "CPUExecutionProvider", "gpu": "CUDAExecutionProvider", "cuda": "CUDAExecutionProvider"}
+from .base import Backend, gpu_index
 
 
 class OnnxRuntimeBackend(Backend):
@@ -21,9 +19,8 @@ class OnnxRuntimeBackend(Backend):
     def __init__(self, workload: Workload, device: str, mode: str = "default", precision: str = "fp32",
                  options: Optional[Mapping[str, Any]] = None):
         super().__init__(workload, device, mode, precision, options)
-        provider = _PROVIDERS.get(device)
-        if provider is None:
-            raise BackendUnavailable(f"onnxruntime: unknown device '{device}'; use cpu or gpu")
+        self.index = gpu_index(device, self.name)
+        provider = "CPUExecutionProvider" if self.index is None else "CUDAExecutionProvider"
         if provider not in ort.get_available_providers():
             # The CPU wheel has no CUDA provider; `onnxruntime-gpu` replaces it on CUDA machines.
             raise BackendUnavailable(f"onnxruntime has no {provider} here (available: "
@@ -42,7 +39,7 @@ class OnnxRuntimeBackend(Backend):
         return ort.__version__
 
     def device_id(self) -> str:
-        return "cuda:0" if self.provider == "CUDAExecutionProvider" else "cpu"
+        return "cpu" if self.index is None else f"cuda:{self.index}"
 
     def threads(self) -> int:
         return int(self.options.get("threads") or os.cpu_count() or 1)
@@ -57,7 +54,9 @@ class OnnxRuntimeBackend(Backend):
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if self.options.get("threads"):
             opts.intra_op_num_threads = int(self.options["threads"])
-        self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=[self.provider])
+        # The CUDA provider's device_id: without it ORT runs on GPU 0 whatever --device said.
+        provider = self.provider if self.index is None else (self.provider, {"device_id": self.index})
+        self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=[provider])
         if self.session.get_providers()[0] != self.provider:
             # ORT falls back to the CPU silently when the CUDA provider fails to load (no cuDNN, ...).
             raise BackendUnavailable(f"onnxruntime could not start {self.provider}; "

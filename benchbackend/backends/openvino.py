@@ -20,12 +20,11 @@ sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]
 sys.modules.setdefault("openvino_telemetry.backend", None)  # type: ignore[arg-type]
 import openvino as ov  # noqa: E402
 
-from ..errors import BackendUnavailable
-from ..workload import Workload
-from . import onnx_graph
-from .base import Backend
+from ..errors import BackendUnavailable  # noqa: E402
+from ..workload import Workload  # noqa: E402
+from . import onnx_graph  # noqa: E402
+from .base import Backend, gpu_index  # noqa: E402
 
-_PLUGINS = {"cpu": "CPU", "gpu": "GPU"}
 _PRECISIONS = {"fp32": "f32", "bf16": "bf16"}
 _HINTS = {"latency": "LATENCY", "throughput": "THROUGHPUT"}
 
@@ -37,16 +36,16 @@ class OpenVinoBackend(Backend):
                  options: Optional[Mapping[str, Any]] = None):
         super().__init__(workload, device, mode, precision, options)
         self.core = ov.Core()
-        plugin = _PLUGINS.get(device)
-        if plugin is None:
-            raise BackendUnavailable(f"openvino: unknown device '{device}'; use cpu or gpu")
+        index = gpu_index(device, self.name)
+        # OpenVINO names a second GPU "GPU.1"; its GPU plugin drives Intel GPUs only.
+        plugin = "CPU" if index is None else ("GPU" if index == 0 else f"GPU.{index}")
         if plugin not in self.core.available_devices:
             have = ", ".join(self.core.available_devices)
             raise BackendUnavailable(f"OpenVINO sees no {plugin} device (it has {have}); "
                                      "its GPU plugin drives Intel GPUs only")
         if precision == "bf16" and "BF16" not in self.core.get_property(plugin, "OPTIMIZATION_CAPABILITIES"):
             raise BackendUnavailable(f"OpenVINO's {plugin} plugin has no bf16 on this machine")
-        self.plugin = plugin
+        self.plugin, self.index = plugin, index
         self.compiled: Optional[ov.CompiledModel] = None
 
     @classmethod
@@ -59,7 +58,7 @@ class OpenVinoBackend(Backend):
         return ov.get_version().split("-")[0]
 
     def device_id(self) -> str:
-        return self.plugin.lower()
+        return "cpu" if self.index is None else f"gpu:{self.index}"
 
     def threads(self) -> int:
         return int(self.options.get("threads") or os.cpu_count() or 1)

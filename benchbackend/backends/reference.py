@@ -25,7 +25,7 @@ from ..errors import BackendUnavailable
 from ..model import final_softmax
 from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
 from . import _numpy_ops as ops
-from .base import Backend, batches
+from .base import Backend, batches, gpu_index
 
 Array = ops.Array
 
@@ -167,14 +167,13 @@ def _train_steps(workload: Workload, weights: list[Array], optimizer: ops.Optimi
 
 # --- the `numpy` backend -------------------------------------------------------------------------
 def array_module(device: str) -> ModuleType:
-    """``numpy`` for "cpu"; ``cupy`` for "gpu" when CuPy and a CUDA device are present.
+    """``numpy`` for "cpu"; ``cupy``, on the GPU ``--device`` names, when CuPy and that device are present.
 
     Raises ``BackendUnavailable`` (one line) otherwise. CuPy is imported only here.
     """
-    if device == "cpu":
+    index = gpu_index(device, "numpy")
+    if index is None:
         return np
-    if device != "gpu":
-        raise BackendUnavailable(f"the numpy backend runs on cpu or gpu (with CuPy); got device '{device}'")
     if importlib.util.find_spec("cupy") is None:
         raise BackendUnavailable("numpy on --device gpu needs CuPy, which was not found: "
                                  "pip install cupy-cuda12x (match your CUDA version)")
@@ -185,8 +184,9 @@ def array_module(device: str) -> ModuleType:
     except Exception as exc:  # a broken CUDA install surfaces here as many different errors
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise BackendUnavailable(f"CuPy is installed but cannot reach a GPU: {first}") from None
-    if count == 0:
-        raise BackendUnavailable("CuPy is installed but found no CUDA device")
+    if index >= count:
+        raise BackendUnavailable(f"CuPy sees {count} CUDA device(s); there is no cuda:{index}")
+    cupy.cuda.Device(index).use()  # CuPy allocates and launches on the current device
     return cupy
 
 

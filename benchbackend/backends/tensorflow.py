@@ -10,15 +10,14 @@ import functools
 import os
 from typing import Any, Mapping, Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
-
-import keras
 
 from ..errors import BackendUnavailable
 from ..model import final_softmax
 from ..workload import ActivationLayer, Workload
-from .base import Backend, gemm_rate
+from .base import Backend, gemm_rate, gpu_index
 from .keras_layers import keras_layers
 
 _POLICY = {"fp32": "float32", "bf16": "mixed_bfloat16"}
@@ -45,16 +44,17 @@ class TensorFlowBackend(Backend):
         if threads:  # must precede any TensorFlow op
             tf.config.threading.set_intra_op_parallelism_threads(int(threads))
             tf.config.threading.set_inter_op_parallelism_threads(int(threads))
-        if device == "cpu":
+        index = gpu_index(device, self.name)
+        if index is None:
             self.device = "/CPU:0"
-        elif device in ("gpu", "cuda") or device.startswith("/GPU:"):
+        else:
             gpus = tf.config.list_physical_devices("GPU")
             if not gpus:
                 raise BackendUnavailable("tensorflow sees no GPU (tf.config.list_physical_devices('GPU') is empty); "
                                          "use --device cpu, or install `tensorflow[and-cuda]` on a CUDA machine")
-            self.device = "/GPU:0" if device in ("gpu", "cuda") else device
-        else:
-            raise BackendUnavailable(f"tensorflow: unknown device '{device}'; use cpu or gpu")
+            if index >= len(gpus):
+                raise BackendUnavailable(f"tensorflow sees {len(gpus)} GPU(s); there is no GPU {index}")
+            self.device = f"/GPU:{index}"
         if precision not in _POLICY:
             raise BackendUnavailable(f"tensorflow: precision '{precision}' is not supported; use fp32 or bf16")
         self.policy = _POLICY[precision]
@@ -74,8 +74,8 @@ class TensorFlowBackend(Backend):
     def gpu_name(self) -> str:
         if not self.device.startswith("/GPU"):
             return ""
-        gpus = tf.config.list_physical_devices("GPU")
-        return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu") if gpus else ""
+        gpu = tf.config.list_physical_devices("GPU")[int(self.device.rpartition(":")[2])]
+        return tf.config.experimental.get_device_details(gpu).get("device_name", "gpu")
 
     def details(self) -> dict[str, Any]:
         return {"dtype_policy": self.policy} if self.policy != "float32" else {}

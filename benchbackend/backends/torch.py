@@ -22,7 +22,7 @@ from ..errors import BackendUnavailable
 from ..model import describe, from_nchw_weights, same_pads, to_nchw_weights
 from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
 from ._numpy_ops import keras_adam_step_size
-from .base import Backend, gemm_rate
+from .base import Backend, gemm_rate, gpu_index
 
 _ACT = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 _AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,6 +40,21 @@ def _activation(name: str, last: bool) -> list[nn.Module]:
     return [_ACT[name]()]
 
 
+def cuda_device(device: str, backend: str) -> torch.device:
+    """The torch device ``--device`` names (``cpu``, ``gpu[:N]``, ``cuda[:N]``), or
+    ``BackendUnavailable`` saying what torch sees instead (shared by torch and keras-torch)."""
+    index = gpu_index(device, backend)
+    if index is None:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(f"{backend}: torch sees no CUDA GPU (torch.cuda.is_available() is False); "
+                                 "use --device cpu or install a CUDA build of torch")
+    if index >= torch.cuda.device_count():
+        raise BackendUnavailable(f"{backend}: torch sees {torch.cuda.device_count()} CUDA GPU(s); there is no "
+                                 f"cuda:{index}")
+    return torch.device("cuda", index)
+
+
 class TorchBackend(Backend):
     name = "torch"
 
@@ -48,15 +63,7 @@ class TorchBackend(Backend):
         super().__init__(workload, device, mode, precision, options)
         if self.options.get("threads"):
             torch.set_num_threads(int(self.options["threads"]))
-        if device == "cpu":
-            self.device = torch.device("cpu")
-        elif device in ("gpu", "cuda") or device.startswith("cuda:"):
-            if not torch.cuda.is_available():
-                raise BackendUnavailable("torch sees no CUDA GPU (torch.cuda.is_available() is False); "
-                                         "use --device cpu or install a CUDA build of torch")
-            self.device = torch.device("cuda:0" if device in ("gpu", "cuda") else device)
-        else:
-            raise BackendUnavailable(f"torch: unknown device '{device}'; use cpu, gpu or cuda:N")
+        self.device = cuda_device(device, self.name)
         if precision not in _AMP:
             raise BackendUnavailable(f"torch: precision '{precision}' is not supported; use fp32, bf16 or fp16")
         if precision == "fp16" and self.device.type != "cuda":

@@ -174,8 +174,8 @@ class TVMBackend(Backend):
             what = f"reused database {folder} ({summary['records']} trials over {summary['tasks']} tasks)"
         else:
             summary = self._search(folder, trials)
-            what = (f"searched {summary['records']} trials (budget {summary['trials']}) over {summary['tasks']} tasks in "
-                    f"{summary['seconds']:.1f} s (cost model {summary['cost_model']}); database {folder}")
+            what = (f"searched {summary['records']} trials (budget {summary['trials']}) over {summary['tasks']} "
+                    f"tasks in {summary['seconds']:.1f} s (cost model {summary['cost_model']}); database {folder}")
         searched = time.perf_counter() - started
         database = ms.database.JSONDatabase(str(folder / "workloads.json"), str(folder / "records.json"),
                                             allow_missing=False)

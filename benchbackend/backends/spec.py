@@ -1,0 +1,126 @@
+"""What a registry entry declares: a backend's identity, modes, precisions, devices and capabilities.
+
+Everything here is plain data, readable without importing any framework: ``--help``, ``list``,
+the CLI's validation, the README's backend table, the tests' parametrization and CI's extras all
+read it. The adapter (``target``) is imported only by the worker.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One execution strategy of a backend (eager, compiled, XLA, static graph, tuned, ...)."""
+
+    name: str
+    description: str
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an adapter can do beyond the contract every adapter keeps (``backends.base.Backend``).
+
+    The worker acts on these declarations, never on what an adapter object happens to have.
+    """
+
+    #: The adapter measures its own GEMM peak (``Backend.gemm_peak``), the denominator of MFU.
+    peak_probe: bool = False
+    #: The adapter sets its intra-op threads from ``--threads`` and reports them (``Backend.threads``).
+    thread_control: bool = False
+
+
+def gpu_index(device: str, backend: str) -> Optional[int]:
+    """The GPU index ``--device`` asks for, or None for ``cpu``: ``gpu``/``cuda`` is 0; ``gpu:N``,
+    ``cuda:N`` and TensorFlow's ``/GPU:N`` are N. Any other form raises ``BackendUnavailable``
+    (the registry has checked the forms a backend takes; this catches a direct caller)."""
+    if device == "cpu":
+        return None
+    if device in ("gpu", "cuda"):
+        return 0
+    match = re.fullmatch(r"(?:gpu|cuda|/GPU):(\d+)", device)
+    if match is None:
+        from ..errors import BackendUnavailable
+
+        raise BackendUnavailable(f"{backend}: unknown device {device!r}; use cpu, gpu, gpu:N or cuda:N")
+    return int(match.group(1))
+
+
+def _no_env(device: str) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend's registry entry: everything the CLI, ``list`` and the runner need without importing it.
+
+    ``modes``: the first is the default. ``precisions``: ``fp32`` always. ``trains``: False for
+    inference-only runtimes, which get build, parity and inference rows only.
+    """
+
+    name: str
+    #: "package.module:ClassName" of the adapter (imported by the worker only).
+    target: str
+    #: Top-level modules the adapter needs, first the framework itself: all must be importable.
+    requires: tuple[str, ...]
+    #: Distribution whose version ``list`` shows.
+    dist_name: str
+    #: The command that installs it.
+    install: str
+    description: str
+    modes: tuple[Mode, ...]
+    precisions: tuple[str, ...] = ("fp32",)
+    trains: bool = True
+    #: Environment variables of its worker, set before the framework is imported (by device asked).
+    env: Callable[[str], dict[str, str]] = field(default=_no_env)
+    #: The ``pyproject.toml`` extra that installs it (None: no extra, e.g. an isolated environment).
+    extra: Optional[str] = None
+    #: Modules the adapter imports only on some paths (CuPy on a GPU): never imported by the CLI either.
+    optional: tuple[str, ...] = ()
+    #: None: runs in the current interpreter; else the name of an isolated env (``benchbackend setup NAME``).
+    isolated_env: Optional[str] = None
+    #: An explicit interpreter for the workers (configs/backends.yaml), else None.
+    python: Optional[str] = None
+    #: ``--device`` forms it takes: literal names, ``N`` for an index, ``<...>`` for any id.
+    devices: tuple[str, ...] = ("cpu", "gpu")
+    capabilities: Capabilities = Capabilities()
+
+    def accepts(self, device: str) -> bool:
+        """Whether ``--device`` has one of the forms in ``devices`` ("cuda:N": N digits; "<id>": any id)."""
+        for form in self.devices:
+            if form.startswith("<"):
+                return True
+            pattern = re.escape(form).replace("N", r"\d+")
+            if re.fullmatch(pattern, device):
+                return True
+        return False
+
+    @property
+    def import_name(self) -> str:
+        """The framework's own top-level module."""
+        return self.requires[0]
+
+    @property
+    def mode_names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.modes)
+
+    @property
+    def default_mode(self) -> str:
+        return self.modes[0].name
+
+    def missing(self) -> list[str]:
+        """The required modules that cannot be imported in this interpreter (none imported to find out)."""
+        return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+    def load_class(self) -> Any:
+        return load_class(self.target)
+
+
+def load_class(target: str) -> Any:
+    """The adapter class named ``package.module:ClassName`` (importing it imports its framework)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
