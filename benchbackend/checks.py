@@ -72,14 +72,16 @@ def parity_mismatch(max_abs: float, max_rel: float, rtol: float, atol: float) ->
     """A message when the errors exceed the workload's tolerance (either bound passing is enough)."""
     if max_rel <= rtol or max_abs <= atol:
         return None
-    return f"forward output differs from the NumPy reference: max abs {max_abs:.3g}, max rel {max_rel:.3g} > rtol {rtol:g}"
+    return (f"forward output differs from the NumPy reference: max abs {max_abs:.3g}, max rel {max_rel:.3g} "
+            f"> rtol {rtol:g}")
 
 
 def trajectory(msg: dict[str, Any], workload: Any) -> dict[str, Any]:
     """The trajectory row (``--parity-steps``) decided from the worker's raw per-step losses.
 
     Adds ``parity_step`` (the first step whose loss differs from the reference's by more than
-    ``checks.trajectory_rtol``, relative, or is not finite), the largest errors, and a message.
+    ``checks.trajectory_rtol``, relative, or is not finite), the largest errors, and ``notes`` that
+    say what was found (the cell's ``run`` row repeats it as the reason when it fails).
     """
     losses, ref = list(msg.get("losses") or []), list(msg.get("reference_losses") or [])
     rtol = workload.checks.trajectory_rtol
@@ -89,7 +91,7 @@ def trajectory(msg: dict[str, Any], workload: Any) -> dict[str, Any]:
     out = {k: v for k, v in msg.items() if k not in ("losses", "reference_losses")}
     out.update(parity_step=first, parity_max_abs=max(errs) if errs else None,
                parity_max_rel=max(rels) if rels else None, steps=len(losses))
-    out["message"] = (f"{len(losses)} steps agree within {rtol:g}" if first is None else
+    out["notes"] = (f"{len(losses)} steps agree within {rtol:g}" if first is None else
                       f"training loss diverges from the reference at step {first}: "
                       f"{losses[first - 1]:.6g} vs {ref[first - 1]:.6g} (rtol {rtol:g})")
     return out
@@ -141,7 +143,8 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
             continue
         if r.get("steps"):  # trajectory check: parity_step is the first diverging step, if any
             if finite(r.get("parity_step")):
-                return "parity_mismatch", r.get("message") or f"training diverges from the reference at step {r['parity_step']}"
+                return "parity_mismatch", (r.get("notes") or
+                                           f"training diverges from the reference at step {r['parity_step']}")
         elif r.get("parity_max_rel") is not None:
             msg = parity_mismatch(r["parity_max_abs"], r["parity_max_rel"], tol.rtol, tol.atol)
             if msg:

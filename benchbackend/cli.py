@@ -88,15 +88,20 @@ def main() -> None:
               help="Ray: let a group's repeats run on different nodes (compare warns about mixed hosts).")
 @click.option("--parity-steps", default=0, type=click.IntRange(0), show_default=True,
               help="Also compare the first K training steps' losses with the reference (dropout off).")
+@click.option("--order", type=click.Choice(["interleaved", "sequential"]), default="interleaved", show_default=True,
+              help="interleaved: repeat r of every backend, mode and precision of a workload before repeat r+1 "
+                   "of any (A B A B), so that drift of the machine does not read as a difference; sequential: "
+                   "all repeats of one before the next (A A B B).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="CSV to write. Default: results/<timestamp>-<workloads>.csv")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write plots next to the CSV.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress display (the summary and verdict still print).")
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
         device: str, repeats: int, epochs: Optional[int], limit: Optional[int], seed: Optional[int], data_source: str,
-        data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int], inference_only: bool, steps_per_execution: int,
-        tune_trials: int, timeout: Optional[float], executor_name: str, address: Optional[str],
-        cells_per_node: Optional[int], allow_mixed_hosts: bool, parity_steps: int, output: Optional[Path],
-        plots: bool) -> None:
+        data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int],
+        inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float],
+        executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
+        parity_steps: int, order: str, output: Optional[Path], plots: bool, quiet: bool) -> None:
     """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend, mode and precision.
 
     \b
@@ -108,53 +113,63 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run mnist -b torch -b numpy --executor ray --address head:6379
       benchbackend run path/to/my_workload.yaml -b tensorflow
     """
+    from . import launch, progress, results, runner
     from . import plan as planning
-    from . import results, runner, workload
 
     try:
-        loaded = [workload.load(w).with_overrides(epochs=epochs, limit=limit, seed=seed, batch_size=b)
-                  for w in workloads for b in (list(dict.fromkeys(batch_sizes)) or [None])]
-        from .model import describe
-
-        for w in loaded:
-            try:
-                describe(w)
-            except ValueError as exc:
-                raise WorkloadError(f"{w.name}: {exc}") from None
+        loaded = _workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed)
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
         choices = planning.resolve(names, list(modes), list(precisions), device)
         if executor_name == "local":
-            runner.check_backends(names)  # a cluster's nodes may have what this machine lacks
+            registry.require_any(names)  # a cluster's nodes may have what this machine lacks
     except (WorkloadError, BackendUnavailable) as exc:
         raise UsageFailure(str(exc)) from None
     out = output or results.default_path([w.name for w in loaded])
-    options = {"threads": threads, "steps_per_execution": steps_per_execution, "tune_trials": tune_trials,
-               "peak_tflops": peak_tflops}
-    plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats, timeout=timeout,
-                            data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
-                            inference_only=inference_only, options=options, output=out)
-    executor = _executor(executor_name, address, cells_per_node, allow_mixed_hosts)
     try:
-        r = runner.Runner(plan, executor, progress=_err)
+        writer = results.CsvWriter(out)
     except OSError as exc:
         raise UsageFailure(f"{out}: cannot write results: {exc.strerror}") from None
+    options = launch.Options(threads=threads, steps_per_execution=steps_per_execution, tune_trials=tune_trials,
+                             peak_tflops=peak_tflops)
+    plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats,
+                            data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
+                            inference_only=inference_only, options=options, order=order)
+    executor = _executor(executor_name, address, cells_per_node, allow_mixed_hosts, timeout)
+    r = runner.Runner(plan, executor, writer, progress.display(quiet))
     try:
         cells = r.run()
     except KeyboardInterrupt:
-        _err(f"interrupted: {len(r.writer.rows)} rows written to {out}")
-        _summary(r.cells, out if r.writer.rows else None, plots)
+        _err(f"interrupted: {writer.rows} rows written to {out}")
+        _summary(r.results, out if writer.rows else None, plots)
         sys.exit(130)
     except DataError as exc:
         _err(f"Error: {exc}")
-        if r.writer.rows:
-            _err(f"{len(r.writer.rows)} rows written to {out}")
+        if writer.rows:
+            _err(f"{writer.rows} rows written to {out}")
         sys.exit(2)
-    _summary(cells, out if r.writer.rows else None, plots)
+    _summary(cells, out if writer.rows else None, plots)
     sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
 
 
-def _executor(name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool):
+def _workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], **overrides: Optional[int]) -> list:
+    """The workloads named, with the command line's overrides, one per batch size of a sweep;
+    a network that does not fit its input is a ``WorkloadError`` naming the layer."""
+    from . import workload
+    from .model import describe
+
+    loaded = [workload.load(w).with_overrides(batch_size=b, **overrides)
+              for w in names for b in (list(dict.fromkeys(batch_sizes)) or [None])]
+    for w in loaded:
+        try:
+            describe(w)
+        except ValueError as exc:
+            raise WorkloadError(f"{w.name}: {exc}") from None
+    return loaded
+
+
+def _executor(name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
+              timeout: Optional[float]):
     """The executor --executor names; a Ray cluster is joined (or started) here, before data is prepared."""
     if name == "local":
         given = [f for f, v in (("--address", address), ("--cells-per-node", cells_per_node),
@@ -163,12 +178,13 @@ def _executor(name: str, address: Optional[str], cells_per_node: Optional[int], 
             raise UsageFailure(f"{', '.join(given)} needs --executor ray")
         from .executors.local import LocalExecutor
 
-        return LocalExecutor()
+        return LocalExecutor(timeout)
     try:
         from .executors.ray import RayExecutor
     except ImportError as exc:
         raise UsageFailure(f"--executor ray needs Ray ({exc}): pip install 'benchbackend[ray]'") from None
-    executor = RayExecutor(address=address, cells_per_node=cells_per_node, allow_mixed_hosts=allow_mixed_hosts)
+    executor = RayExecutor(address=address, cells_per_node=cells_per_node, allow_mixed_hosts=allow_mixed_hosts,
+                           timeout=timeout)
     try:
         executor.connect()
     except ClusterError as exc:
@@ -178,21 +194,23 @@ def _executor(name: str, address: Optional[str], cells_per_node: Optional[int], 
 
 def _summary(cells: list, out: Optional[Path], plots: bool) -> None:
     """The per-cell summary, then compare's verdict and the plots for what was measured."""
-    click.echo("\nsummary (steady epoch = median of epochs after the first; inference = median of passes after the first):")
+    from .progress import summary_line
+
+    click.echo("\nsummary (steady epoch = median of epochs after the first; "
+               "inference = median of passes after the first):")
     for cell in cells:
-        click.echo("  " + cell.line())
+        click.echo("  " + summary_line(cell))
     if out is not None:
-        _report(out, plots=plots, verdict=len({(c.backend, c.mode, c.precision) for c in cells
-                                               if c.status != "unavailable"}) > 1)
+        _report(out, plots=plots, verdict=len({c.cell.choice for c in cells if c.status != "unavailable"}) > 1)
         click.echo(f"results: {out}")
 
 
 def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
     """After a run: the compare table (when backends can be compared) and the plots."""
-    from . import compare, results
+    from . import compare, experiments, results
 
     try:
-        df = results.for_comparison(results.read(csv_path))
+        df = experiments.for_comparison(results.read(csv_path))
         outcome = compare.compare_frame(df)
         if verdict:
             click.echo("\n" + outcome.text)

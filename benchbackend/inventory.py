@@ -16,8 +16,7 @@ PROBE_TIMEOUT_S = 120
 
 def probe(spec: backends.BackendSpec) -> dict[str, Any]:
     """``{"version", "devices"}`` from the backend's own interpreter, or ``{"error": ...}``."""
-    from .launch import probe_in
-    from .runner import python_for, worker_environ
+    from .launch import probe_in, python_for, worker_environ
 
     try:
         return probe_in(python_for(spec), spec.target, worker_environ(spec), PROBE_TIMEOUT_S)
@@ -38,7 +37,8 @@ def render(probe_devices: bool = True) -> str:
         lines.append(f"  {name:<12} {info}")
     lines += ["", "Backends:"]
     specs = [backends.get(name) for name in backends.BACKENDS]
-    ready = {s.name: backends.installed(s) for s in specs}
+    problems = {s.name: backends.problem(s) for s in specs}
+    ready = {name: not why for name, why in problems.items()}
     probes: dict[str, dict[str, Any]] = {}
     if probe_devices:
         with ThreadPoolExecutor(max_workers=4) as pool:
@@ -46,7 +46,7 @@ def render(probe_devices: bool = True) -> str:
             probes = {name: f.result() for name, f in futures.items()}
     for s in specs:
         if not ready[s.name]:
-            lines.append(f"  {s.name:<11} not installed   install: {s.install}")
+            lines.append(f"  {s.name:<11} not installed ({problems[s.name]})   install: {s.install}")
             continue
         p = probes.get(s.name, {})
         if "error" in p:

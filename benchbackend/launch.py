@@ -1,10 +1,12 @@
-"""Start one worker process and stream its messages: the one launcher every executor uses.
+"""One worker process: the typed job it runs, the interpreter and environment it runs in, its messages.
 
-``run_worker`` spawns ``python -m benchbackend.worker`` in the given interpreter and environment,
-sends the JSON job on stdin, hands each JSON line it prints to ``on_message`` as it arrives,
-calls ``on_wait`` every ``heartbeat_s`` seconds of silence, kills the process group past
-``timeout``, and keeps the tail of its stderr. Ctrl-C kills the worker and propagates. It knows
-nothing about backends, rows or CSVs: the local executor and the Ray executor build on it.
+``Job`` is the record the parent sends and the worker reads (JSON on stdin), the one description
+of a cell's work. ``python_for`` and ``worker_environ`` say how a backend's worker is started.
+``stream`` spawns ``python -m benchbackend.worker``, sends the job, and yields the worker's
+messages as they arrive (``messages.Info``, ``Peak``, ``Row``; a ``Heartbeat`` every
+``heartbeat_s`` of silence); it returns the ``Outcome`` when the worker ends. It kills the
+worker's process group past ``timeout``, when the consumer stops early (Ctrl-C), and keeps the
+tail of its stderr. It knows nothing about rows' meaning or CSVs: both executors build on it.
 """
 from __future__ import annotations
 
@@ -13,25 +15,112 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Generator, Mapping, Optional
 
+from .backends.spec import BackendSpec, Capabilities
 from .errors import BackendUnavailable
+from .messages import Heartbeat, Info, Message, Outcome, Peak, Row
+from .paths import PACKAGE_PARENT
+
+if TYPE_CHECKING:
+    from .plan import Cell
+    from .workload import Workload
 
 HEARTBEAT_S = 30.0
-Message = dict[str, Any]
+#: Thread-count variables every worker gets from ``--threads`` (OpenMP, MKL, OpenBLAS, TensorFlow).
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+               "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
 
-@dataclass
-class Outcome:
-    """How a worker ended. ``status`` is ``done``, ``unavailable``, ``timeout`` or ``crashed``."""
+@dataclass(frozen=True)
+class Options:
+    """Run options that some adapters use; adapters read them as a mapping (``Backend.options``)."""
 
-    status: str
-    message: str = ""
-    returncode: Optional[int] = None
+    threads: Optional[int] = None
+    steps_per_execution: int = 32
+    tune_trials: int = 64
+    peak_tflops: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One repeat of one cell, as the worker runs it. ``data`` is the path of the run's arrays
+    (``data.Dataset.save``) on the machine that runs the worker."""
+
+    workload: "Workload"
+    backend: str
+    target: str  # "package.module:ClassName" of the adapter
+    mode: str
+    precision: str
+    device: str = "cpu"
+    repeat: int = 1
+    data: str = ""
+    trains: bool = True
+    parity_steps: int = 0
+    options: Options = field(default_factory=Options)
+    capabilities: Capabilities = field(default_factory=Capabilities)
+
+    @classmethod
+    def for_spec(cls, spec: BackendSpec, workload: "Workload", **fields: Any) -> "Job":
+        """The job of one repeat of ``spec`` on ``workload``; ``mode`` defaults to the spec's first."""
+        fields.setdefault("mode", spec.default_mode)
+        fields.setdefault("precision", "fp32")
+        fields["trains"] = spec.trains and fields.get("trains", True)
+        return cls(workload=workload, backend=spec.name, target=spec.target, capabilities=spec.capabilities,
+                   **fields)
+
+    def to_json(self) -> str:
+        body = {**{f: getattr(self, f) for f in self.__dataclass_fields__}, "workload": self.workload.to_dict(),
+                "options": asdict(self.options), "capabilities": asdict(self.capabilities)}
+        return json.dumps(body)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Job":
+        from .workload import Workload
+
+        raw = json.loads(text)
+        return cls(**{**raw, "workload": Workload.model_validate(raw["workload"]),
+                      "options": Options(**raw.get("options", {})),
+                      "capabilities": Capabilities(**raw.get("capabilities", {}))})
+
+    def with_data(self, path: str) -> "Job":
+        return replace(self, data=path)
+
+    def with_threads(self, threads: Optional[int]) -> "Job":
+        return replace(self, options=replace(self.options, threads=threads))
+
+
+def python_for(spec: BackendSpec) -> str:
+    """The interpreter of ``spec``'s workers: a configured one, its isolated environment's, or this one."""
+    if spec.python:
+        return spec.python
+    if spec.isolated_env:
+        from . import envs
+
+        return str(envs.python_for(spec.isolated_env))
+    return sys.executable
+
+
+def worker_environ(spec: BackendSpec, device: str = "cpu", threads: Optional[int] = None) -> dict[str, str]:
+    """The worker's environment: the backend's variables set unconditionally (a user's exported
+    ``KERAS_BACKEND`` cannot pick another framework), thread counts, and a PYTHONPATH that shows
+    an isolated env nothing of the main env's packages."""
+    if spec.isolated_env:
+        from . import envs
+
+        env = envs.worker_env()
+    else:
+        path = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path)
+    if threads:
+        env.update({var: str(threads) for var in THREAD_VARS})
+    env.update(spec.env(device))
+    return env
 
 
 def tail(text: str, lines: int = 6, chars: int = 600) -> str:
@@ -43,10 +132,9 @@ def worker_command(python: str) -> list[str]:
     return [python, "-m", "benchbackend.worker"]
 
 
-def run_worker(python: str, env: Mapping[str, str], job: Mapping[str, Any], on_message: Callable[[Message], None],
-               timeout: Optional[float] = None, on_wait: Callable[[float], None] = lambda s: None,
-               heartbeat_s: float = HEARTBEAT_S) -> Outcome:
-    """Run one worker to its end; see the module docstring."""
+def stream(cell: "Cell", python: str, env: Mapping[str, str], job: Job, timeout: Optional[float] = None,
+           heartbeat_s: float = HEARTBEAT_S) -> Generator[Message, None, Outcome]:
+    """Run one worker to its end, yielding its messages; see the module docstring."""
     with tempfile.TemporaryFile("w+") as err:
         try:
             proc = subprocess.Popen(worker_command(python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -54,75 +142,103 @@ def run_worker(python: str, env: Mapping[str, str], job: Mapping[str, Any], on_m
                                     start_new_session=True)
         except OSError as exc:
             return Outcome("crashed", f"cannot start worker: {exc}")
-        assert proc.stdin and proc.stdout
         try:
-            proc.stdin.write(json.dumps(job))
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass  # the worker died before reading its job: its exit code and stderr say why
-        lines: "queue.Queue[Optional[str]]" = queue.Queue()
-        stdout = proc.stdout
-
-        def reader() -> None:
-            for line in stdout:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=reader, daemon=True).start()
-        try:
-            ended, error, unavailable = _pump(lines, proc, on_message, timeout, on_wait, heartbeat_s)
-        except BaseException:  # Ctrl-C (or the caller's own failure): never leave the worker behind
+            state = yield from _pump(cell, proc, job, timeout, heartbeat_s)
+        finally:  # Ctrl-C, or a consumer that stopped early: never leave the worker behind
             kill(proc)
-            raise
+        return state.outcome(proc.returncode, timeout, _stderr_tail(err))
 
-        def stderr_tail() -> str:
-            err.seek(0)
-            text = tail(err.read())
-            return f"; stderr: {text}" if text else ""
 
-        if unavailable is not None:
-            return Outcome("unavailable", unavailable, proc.returncode)
-        if not ended:
-            return Outcome("timeout", f"worker ran past --timeout {timeout:g}s" + stderr_tail(), None)
-        if error is not None or proc.returncode != 0:
-            what = error or f"worker exited with code {proc.returncode}"
-            return Outcome("crashed", what + stderr_tail(), proc.returncode)
+def _stderr_tail(err: Any) -> str:
+    err.seek(0)
+    text = tail(err.read())
+    return f"; stderr: {text}" if text else ""
+
+
+@dataclass
+class _State:
+    """What the worker said about its own end."""
+
+    ended: bool = False
+    error: Optional[str] = None
+    unavailable: Optional[str] = None
+
+    def outcome(self, returncode: Optional[int], timeout: Optional[float], stderr: str) -> Outcome:
+        if self.unavailable is not None:
+            return Outcome("unavailable", self.unavailable, returncode)
+        if not self.ended:
+            return Outcome("timeout", f"worker ran past --timeout {timeout:g}s" + stderr, None)
+        if self.error is not None or returncode != 0:
+            return Outcome("crashed", (self.error or f"worker exited with code {returncode}") + stderr, returncode)
         return Outcome("done", "", 0)
 
 
-def _pump(lines: "queue.Queue[Optional[str]]", proc: subprocess.Popen, on_message: Callable[[Message], None],
-          timeout: Optional[float], on_wait: Callable[[float], None],
-          heartbeat_s: float) -> tuple[bool, Optional[str], Optional[str]]:
-    """Read messages until the worker exits: (ended in time, error message, unavailable message)."""
+def _lines(proc: subprocess.Popen, job: Job) -> "queue.Queue[Optional[str]]":
+    """Send the job; a thread puts each stdout line on the queue, then None at the end."""
+    assert proc.stdin and proc.stdout
+    try:
+        proc.stdin.write(job.to_json())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the worker died before reading its job: its exit code and stderr say why
+    lines: "queue.Queue[Optional[str]]" = queue.Queue()
+    stdout = proc.stdout
+
+    def reader() -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=reader, daemon=True).start()
+    return lines
+
+
+def _pump(cell: "Cell", proc: subprocess.Popen, job: Job, timeout: Optional[float],
+          heartbeat_s: float) -> Generator[Message, None, _State]:
+    lines = _lines(proc, job)
+    state = _State()
     start = time.monotonic()
-    error: Optional[str] = None
-    unavailable: Optional[str] = None
     while True:
         remaining = None if timeout is None else timeout - (time.monotonic() - start)
         if remaining is not None and remaining <= 0:
-            kill(proc)
-            return False, error, unavailable
+            return state
         try:
             line = lines.get(timeout=heartbeat_s if remaining is None else min(heartbeat_s, remaining))
         except queue.Empty:
-            on_wait(time.monotonic() - start)
+            yield Heartbeat(cell, time.monotonic() - start)
             continue
         if line is None:
             proc.wait()
-            return True, error, unavailable
-        try:
-            msg = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # not protocol output; the worker keeps stdout clean, so ignore strays
-        if not isinstance(msg, dict):
-            continue
-        kind = msg.get("type")
-        if kind == "error":
-            tb = tail(msg.get("traceback", ""), lines=3)
-            error = f"{msg.get('message', 'error')} ({tb})" if tb else msg.get("message", "error")
-        elif kind == "unavailable":
-            unavailable = msg.get("message", "")
-        on_message(msg)
+            state.ended = True
+            return state
+        message = _parse(cell, line, state)
+        if message is not None:
+            yield message
+
+
+def _parse(cell: "Cell", line: str, state: _State) -> Optional[Message]:
+    """One protocol line as a message; ``error`` and ``unavailable`` lines set ``state`` instead."""
+    try:
+        msg = json.loads(line)
+    except json.JSONDecodeError:
+        return None  # not protocol output; the worker keeps stdout clean, so ignore strays
+    if not isinstance(msg, dict):
+        return None
+    kind = msg.pop("type", None)
+    if kind == "row":
+        return Row(cell, msg)
+    if kind == "info":
+        return Info(cell, backend_version=str(msg.get("backend_version", "")), device=str(msg.get("device", "")),
+                    gpu=str(msg.get("gpu", "")), python=str(msg.get("python", "")), threads=msg.get("threads"),
+                    environment={k: str(msg[k]) for k in ("host", "os", "cpu") if msg.get(k)})
+    if kind == "peak":
+        return Peak(cell, float(msg["flops"]), str(msg.get("source", "")), str(msg.get("cache_key", "")))
+    if kind == "error":
+        tb = tail(msg.get("traceback", ""), lines=3)
+        state.error = f"{msg.get('message', 'error')} ({tb})" if tb else msg.get("message", "error")
+    elif kind == "unavailable":
+        state.unavailable = msg.get("message", "")
+    return None
 
 
 def kill(proc: subprocess.Popen) -> None:

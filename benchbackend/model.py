@@ -83,7 +83,8 @@ def describe(workload: Workload) -> list[LayerInfo]:
         out.append(LayerInfo(i, layer.type, shape, new, params, flops))
         shape = new
     if shape != (workload.num_classes,):
-        raise ValueError(f"the model's output shape is {shape}; it must be ({workload.num_classes},), one score per class")
+        raise ValueError(f"the model's output shape is {shape}; it must be ({workload.num_classes},), "
+                         "one score per class")
     return out
 
 
@@ -91,13 +92,10 @@ def param_count(workload: Workload) -> int:
     return sum(li.params for li in describe(workload))
 
 
-#: A training sample costs this many forward passes of FLOPs: the forward, the gradient of the
-#: activations and the gradient of the weights (MFU counts training this way everywhere).
-TRAIN_FLOPS_FACTOR = 3
 
 
 def flops_per_sample(workload: Workload) -> int:
-    """Forward FLOPs of one sample (a multiply-add counts 2); training: x TRAIN_FLOPS_FACTOR."""
+    """Forward FLOPs of one sample (a multiply-add counts 2); training: x ``peaks.TRAIN_FLOPS_FACTOR``."""
     return sum(li.flops for li in describe(workload))
 
 

@@ -1,4 +1,7 @@
-"""The GEMM-peak cache behind MFU: one probe per host, CPU, backend, device, precision and threads.
+"""MFU and the GEMM-peak cache behind it: one probe per host, CPU, backend, device, precision and threads.
+
+``utilization`` turns a timed row's throughput into achieved FLOP/s and MFU (a training sample
+costs ``TRAIN_FLOPS_FACTOR`` forward passes).
 
 A probe taken while something else loaded the machine reads low, and every MFU computed from it
 reads high. So an entry that a run shows to be too low (a timed row above 100% MFU) is dropped
@@ -74,3 +77,26 @@ def forget(k: str) -> bool:
         return False
     _save(cache)
     return True
+
+
+#: A training sample costs this many forward passes of FLOPs: the forward, the gradient of the
+#: activations and the gradient of the weights (MFU counts training this way everywhere).
+TRAIN_FLOPS_FACTOR = 3
+
+
+def utilization(phase: Optional[str], samples_per_s: Optional[float], flops_per_sample: int,
+                peak: Optional[float]) -> dict[str, Optional[float]]:
+    """``achieved_flops`` and ``mfu`` (achieved over ``peak``; None without one) of a timed row:
+    a ``train_epoch`` or ``inference`` row with a throughput; ``{}`` for any other row."""
+    if phase not in ("train_epoch", "inference") or not samples_per_s:
+        return {}
+    passes = TRAIN_FLOPS_FACTOR if phase == "train_epoch" else 1
+    achieved = passes * flops_per_sample * samples_per_s
+    return {"achieved_flops": achieved, "mfu": achieved / peak if peak else None}
+
+
+def too_low(mfu: float, source: str, dropped: bool) -> str:
+    """What a row above 100% MFU says: the peak it was measured against is wrong (a probe taken
+    under load, a low ``--peak-tflops``), and whether the cached probe was dropped."""
+    return (f"MFU {mfu:.0%} is above 100%: the peak ({source}) is too low"
+            + ("; the cached probe is dropped, the next run probes again" if dropped else ""))

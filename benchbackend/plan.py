@@ -1,18 +1,26 @@
-"""The matrix: workload x backend x mode x precision x repeat, expanded into cells.
+"""The matrix: workload x backend x mode x precision x repeat, expanded into cells in run order.
 
 ``resolve`` turns the command line's ``-b``, ``--mode`` and ``--precision`` into one list of
-(backend, mode, precision) choices, validated against the registry; ``cells`` expands a plan.
-Nothing here starts a process or imports a framework.
+(backend, mode, precision) choices, validated against the registry; ``cells`` expands a plan
+into its cells, in the order they run. Nothing here starts a process or imports a framework.
+
+Order: by default repeats are interleaved within each workload (a comparison group): repeat r of
+every backend, mode and precision runs before repeat r+1 of any (A B A B), so drift of the machine
+(heat, another tenant, frequency) spreads over every backend instead of reading as a difference
+between them. ``sequential`` runs all repeats of one choice before the next (A A B B).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Iterator, Optional
 
 from . import backends
 from .errors import BackendUnavailable
+from .launch import Options
 from .workload import Workload
+
+ORDERS = ("interleaved", "sequential")
 
 
 @dataclass(frozen=True)
@@ -31,28 +39,67 @@ class RunPlan:
     choices: list[Choice]
     device: str = "cpu"
     repeats: int = 1
-    timeout: Optional[float] = None
     data_source: str = "auto"
     data_dir: Optional[Path] = None
     parity_steps: int = 0
     inference_only: bool = False
-    #: Run options the adapters may use: threads, steps_per_execution, tune_trials.
-    options: dict[str, Any] = field(default_factory=dict)
-    output: Path = Path("results/run.csv")
+    options: Options = field(default_factory=Options)
+    order: str = "interleaved"
 
 
 @dataclass(frozen=True)
-class Group:
-    """All repeats of one (workload, backend, mode, precision): they run on one machine."""
+class GroupId:
+    """All repeats of one (workload definition, backend, mode, precision): they run on one machine."""
+
+    workload: str
+    workload_hash: str
+    backend: str
+    mode: str
+    precision: str
+
+    def __str__(self) -> str:
+        return f"{self.workload}/{self.backend}:{self.mode}/{self.precision}"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One repeat of one (workload, backend, mode, precision): one worker process.
+
+    ``order`` is its place in the plan's run order (0 first), written to the CSV."""
 
     workload: Workload
     choice: Choice
+    repeat: int
     repeats: int
+    order: int
+    #: The plan sweeps batch sizes of this workload: the batch size is part of how the cell is named.
+    sweep: bool = False
 
     @property
-    def key(self) -> str:
+    def group(self) -> GroupId:
         c = self.choice
-        return f"{self.workload.name}/{c.backend}:{c.mode}/{c.precision}"
+        return GroupId(self.workload.name, self.workload.hash(), c.backend, c.mode, c.precision)
+
+    @property
+    def comparison(self) -> str:
+        """The comparison group: the cells whose timings are compared with each other (one workload
+        definition); its repeats are interleaved, and on a cluster they run on one node."""
+        return self.workload.hash()
+
+
+def cells(plan: RunPlan) -> list[Cell]:
+    """Every cell of the plan in run order (see the module docstring), ``order`` numbered from 0."""
+    def pairs() -> Iterator[tuple[Workload, Choice, int]]:
+        for w in plan.workloads:
+            if plan.order == "sequential":
+                yield from ((w, c, r) for c in plan.choices for r in range(1, plan.repeats + 1))
+            else:
+                yield from ((w, c, r) for r in range(1, plan.repeats + 1) for c in plan.choices)
+
+    sizes: dict[str, set[int]] = {}
+    for w in plan.workloads:
+        sizes.setdefault(w.name, set()).add(w.training.batch_size)
+    return [Cell(w, c, r, plan.repeats, i, sweep=len(sizes[w.name]) > 1) for i, (w, c, r) in enumerate(pairs())]
 
 
 def _split(item: str) -> tuple[Optional[str], str]:
@@ -107,8 +154,3 @@ def resolve(names: list[str], modes: list[str], precisions: list[str], device: s
                     problem = f"{s.name} does not take --device {device}; it takes {', '.join(s.devices)}"
                 out.append(Choice(s.name, mode, precision, problem))
     return out
-
-
-def groups(plan: RunPlan) -> list[Group]:
-    """The plan's groups in run order: workload-major, then backend, mode, precision."""
-    return [Group(w, c, plan.repeats) for w in plan.workloads for c in plan.choices]

@@ -12,11 +12,11 @@ import platform
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from .errors import ResultsError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: Fixed columns, in this order; see README "CSV columns".
 BASE_COLUMNS = [
@@ -29,10 +29,16 @@ EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "f
                  "peak_rss_mb", "steps", "requested_device",
                  # schema 2: the matrix's precision, threads used, data source, inference-only cells
                  "precision", "threads", "data_source", "inference_only", "definition",
-                 # MFU: achieved FLOP/s (training: 3x the forward FLOPs per sample) over the peak
+                 # MFU: achieved FLOP/s (a training sample: peaks.TRAIN_FLOPS_FACTOR forward passes) over the peak
                  "achieved_flops", "mfu", "peak_flops", "peak_source",
                  # cell-level: training seconds until checks.target_accuracy (inf: not reached)
-                 "time_to_accuracy_s"]
+                 "time_to_accuracy_s",
+                 # schema 3: the cell's place in the run order (with run_id, it names the cell: the
+                 # `run` row that carries a cell's final status joins its other rows by it) and
+                 # facts about a row that are not a failure's reason (build details, trajectory)
+                 "cell_order", "notes",
+                 # what defines the experiment, as fields (``definition`` says it readably)
+                 "limit", "epochs", "batch_size", "inference_batch_size", "seed"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
@@ -40,9 +46,19 @@ PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
 #: when the row was written (a parent killed outright leaves it so).
 STATUSES = ("ok", "parity_mismatch", "chance_accuracy", "diverged", "nan_loss", "unavailable", "timeout",
             "interrupted", "crashed", "pending")
+PENDING = "pending"
 NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy", "val_loss",
            "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
-           "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s"]
+           "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s",
+           "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed"]
+#: The definition's fields as columns (schema 3), and the key of each in the ``definition`` text
+#: that older files carry (read once, when such a file is read: see ``_migrate``).
+DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch",
+                      "inference_batch_size": "infer_batch", "seed": "seed"}
+#: A cell is named by its run and its place in that run's order (schema 3).
+CELL_KEY = ("run_id", "cell_order")
+#: What a cell's ``run`` row says for every row of the cell.
+CELL_LEVEL = ("status", "time_to_accuracy_s")
 
 
 def worst_status(statuses: Iterable[str]) -> str:
@@ -82,54 +98,85 @@ def _cell(value: Any) -> str:
 class CsvWriter:
     """Appends rows as they arrive (flushed each time), so nothing measured is lost.
 
+    While a run goes, rows are only appended: a cell's rows as ``pending``, then its ``run`` row
+    with its final status (``end_cell``), which a reader joins to the cell's other rows by
+    ``CELL_KEY``. ``close`` rewrites the file once, atomically, with every row's final status, so
+    that a user opening it sees no ``pending`` for a cell that ended. The cost is linear in the
+    rows, and the writer keeps no rows in memory (the file is the spool).
+
     The file is created with the first row: a run that fails before measuring anything (missing
-    data, say) leaves no empty CSV behind. ``finalize`` rewrites the file atomically when a
-    cell's final verdict is known. Raises ``OSError`` at once when the folder is not writable.
+    data, say) leaves no empty CSV behind. Raises ``OSError`` at once when the folder is not writable.
     """
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.rows: list[dict[str, Any]] = []
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(self.path.parent, os.W_OK) or self.path.is_dir():
-            raise PermissionError(13, "Permission denied" if not self.path.is_dir() else "Is a directory")
+        self.rows = 0
+        check_writable(self.path)
 
-    def write(self, row: dict[str, Any]) -> dict[str, Any]:
-        """Append ``row`` (its known columns) to the file now; returns the stored row."""
+    def write(self, row: Mapping[str, Any]) -> None:
+        """Append ``row`` (its known columns; ``status`` defaults to ``pending``) to the file now."""
         full = {c: row.get(c) for c in COLUMNS}
         full["schema_version"] = SCHEMA_VERSION
-        self.rows.append(full)
-        if len(self.rows) == 1:
-            with open(self.path, "w", newline="") as fh:
-                csv.writer(fh).writerow(COLUMNS)
-        with open(self.path, "a", newline="") as fh:
-            csv.writer(fh).writerow([_cell(full[c]) for c in COLUMNS])
-            fh.flush()
-        return full
+        full["status"] = full["status"] or PENDING
+        new = self.rows == 0
+        with open(self.path, "w" if new else "a", newline="") as fh:
+            out = csv.writer(fh)
+            if new:
+                out.writerow(COLUMNS)
+            out.writerow([_cell(full[c]) for c in COLUMNS])
+        self.rows += 1
 
-    def finalize(self, rows: list[dict[str, Any]], status: str, **values: Any) -> None:
-        """Give ``rows`` (stored rows ``write`` returned: one cell's) the cell's final status, and
-        ``values`` (cell-level columns such as ``time_to_accuracy_s``); rewrite the file atomically."""
-        update = {"status": status, **values}
-        changed = False
-        for row in rows:
-            if any(row.get(k) != v for k, v in update.items()):
-                row.update(update)
-                changed = True
-        if changed:
-            self._rewrite()
+    def end_cell(self, row: Mapping[str, Any], status: str) -> None:
+        """Append the cell's ``run`` row (``row`` holds its key columns and any cell-level values):
+        its final status, which the reader and ``close`` give every other row of the cell."""
+        self.write({**row, "phase": "run", "status": status})
 
-    def _rewrite(self) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-", suffix=".csv")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # as an ordinary new file, not mkstemp's 0600
-        with os.fdopen(fd, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(COLUMNS)
-            for row in self.rows:
-                w.writerow([_cell(row[c]) for c in COLUMNS])
-        os.replace(tmp, self.path)
+    def close(self) -> None:
+        """Rewrite the file once with every row's final status (a no-op before the first row)."""
+        if self.rows:
+            finalize(self.path)
+
+
+def check_writable(path: Path) -> None:
+    """Raise ``OSError`` unless a results file can be created at ``path`` (its folder is made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise IsADirectoryError(21, "Is a directory")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PermissionError(13, "Permission denied")
+
+
+def _cell_values(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+    """Each ended cell's ``CELL_LEVEL`` values (its final status, ...), from its ``run`` row."""
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    with open(path, newline="") as fh:
+        for row in csv.DictReader(fh):
+            if row.get("phase") == "run" and row.get("cell_order") and row.get("status") != PENDING:
+                out[(row["run_id"], row["cell_order"])] = {c: row[c] for c in CELL_LEVEL if row.get(c)}
+    return out
+
+
+def finalize(path: Path) -> None:
+    """Give every row of an ended cell its cell's final status and cell-level values; rewrite
+    ``path`` atomically, one pass to read the cells' ``run`` rows and one to copy the rows."""
+    final = _cell_values(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".csv")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # as an ordinary new file, not mkstemp's 0600
+    with os.fdopen(fd, "w", newline="") as out, open(path, newline="") as src:
+        reader = csv.reader(src)
+        header = next(reader)
+        index = {c: i for i, c in enumerate(header)}
+        run_id, order = index["run_id"], index.get("cell_order")
+        writer = csv.writer(out)
+        writer.writerow(header)
+        for row in reader:
+            if order is not None:
+                for col, value in final.get((row[run_id], row[order]), {}).items():
+                    row[index[col]] = value
+            writer.writerow(row)
+    os.replace(tmp, path)
 
 
 def read(path: str | Path) -> "Any":
@@ -181,6 +228,7 @@ def read(path: str | Path) -> "Any":
     for col in COLUMNS:
         if col not in df.columns:
             df[col] = ""
+    _migrate(df)
     for col in NUMERIC:
         raw = df[col]
         converted = pd.to_numeric(raw.where(raw != "", None), errors="coerce")
@@ -192,130 +240,34 @@ def read(path: str | Path) -> "Any":
                 raise ResultsError(f"{p}: line {i + 2}: column {col} is not a number: {raw.iloc[i]!r}")
         df[col] = converted
     df["source"] = str(p)
+    return _join_statuses(df)
+
+
+def _migrate(df: "Any") -> None:
+    """Files before schema 3 name the definition only in its text (``train=1024 ... batch=32``):
+    fill the definition columns from it, the one place that text is ever read back."""
+    missing = [c for c in DEFINITION_COLUMNS if not df[c].astype(bool).any()]
+    if not missing or not df["definition"].astype(bool).any():
+        return
+    parsed = {text: dict(part.partition("=")[::2] for part in text.split() if "=" in part)
+              for text in df["definition"].unique()}
+    for col in missing:
+        df[col] = df["definition"].map({text: fields.get(DEFINITION_COLUMNS[col], "")
+                                        for text, fields in parsed.items()})
+
+
+def _join_statuses(df: "Any") -> "Any":
+    """Every row of a cell takes the ``CELL_LEVEL`` values (its final status, ...) of the cell's
+    ``run`` row (schema 3: a run that was killed before its last rewrite leaves the other rows
+    ``pending``); a cell with no final ``run`` row stays ``pending``, never ``ok``."""
+    ended = df[(df["phase"] == "run") & df["cell_order"].notna() & (df["status"] != PENDING)]
+    if not len(ended):
+        return df
+    final = ended.groupby(list(CELL_KEY), sort=False)[list(CELL_LEVEL)].last().add_prefix("final_")
+    joined = df[list(CELL_KEY)].merge(final, left_on=list(CELL_KEY), right_index=True, how="left")
+    for col in CELL_LEVEL:
+        df[col] = joined[f"final_{col}"].fillna(df[col]).to_numpy()
     return df
-
-
-def for_comparison(df: "Any") -> "Any":
-    """A copy shaped for comparing backends.
-
-    - ``experiment`` names one experiment definition: rows are pooled and compared only within
-      one (see :func:`experiments`).
-    - ``device`` becomes what the user asked for (``--device cpu``) where recorded: backends name
-      one device differently (torch ``cpu``, TensorFlow ``cpu:0``, PlaidML ``llvm_cpu.0``), and
-      comparisons are between backends asked to use the same device.
-    - ``mode`` is blanked for a backend that ran in one mode only, so it is named ``torch``
-      rather than ``torch:eager``; a backend seen in several modes keeps them apart.
-    - a precision other than fp32 is part of the group's name: ``torch@bf16``, ``torch:compile@bf16``
-      (schema-1 files, which have no precision, ran fp32).
-    """
-    out = df.copy()
-    out["experiment"] = experiments(out)
-    if "precision" in out.columns:
-        out["precision"] = out["precision"].astype(str).replace("", "fp32")
-    if "requested_device" in out.columns:
-        asked = out["requested_device"].astype(str)
-        out["device"] = asked.where(asked != "", out["device"])
-    if "mode" in out.columns:
-        modes = out.groupby("backend")["mode"].transform("nunique")
-        out["mode"] = out["mode"].where(modes > 1, "")
-        if "precision" in out.columns:
-            tagged = out["mode"] + "@" + out["precision"]
-            out["mode"] = out["mode"].where(out["precision"] == "fp32", tagged)
-    return out
-
-
-#: How a definition field is named in an experiment's label (``train`` is what ``--limit`` sets).
-_FIELD_NAMES = {"train": "limit", "data": "data"}
-#: Fields implied by ``train`` (``--limit`` shrinks them in proportion): named only on their own.
-_IMPLIED = ("val", "test")
-
-
-def definition_fields(text: str) -> dict[str, str]:
-    """``{"train": "1024", "epochs": "2", ...}`` from a ``definition`` cell (space-separated key=value)."""
-    out: dict[str, str] = {}
-    for part in str(text or "").split():
-        key, sep, value = part.partition("=")
-        if sep:
-            out[key] = value
-    return out
-
-
-def _derived_fields(df: "Any", keys: list[str]) -> "Any":
-    """Readable fields of each definition for files without a ``definition`` column: training
-    samples per epoch, test samples per pass, epochs, data source."""
-    import pandas as pd
-
-    phase = df["phase"]
-    train = df[phase == "train_epoch"].groupby(keys, sort=False)
-    infer = df[phase == "inference"].groupby(keys, sort=False)
-    fields = pd.DataFrame({"train": train["samples"].max(), "epochs": train["epoch"].max(),
-                           "test": infer["samples"].max()})
-    return fields.map(lambda v: "" if pd.isna(v) else f"{v:g}")
-
-
-def experiments(df: "Any") -> "Any":
-    """Each row's experiment label: the workload name, qualified by what differs when the rows hold
-    several definitions of one workload name, e.g. ``mnist (limit 1024)`` and ``mnist (limit 2000)``.
-
-    A definition is (workload, workload_hash, data_source); the hash covers the model, training
-    settings, sizes after ``--limit``, epochs, batch size and seed. What differs is read from the
-    ``definition`` column (``train=1024 val=256 test=256 epochs=2 batch=32 seed=0 data=synthetic``)
-    where present, else from the rows (samples per epoch and per pass, epochs, data source); when
-    nothing readable differs, the label carries the hash: ``mnist (def 3fa2c1)``. Rows of a status
-    with no hash or data source (old files) join the workload's only definition when it has one.
-    """
-    import pandas as pd
-
-    keys = ["workload", "workload_hash", "data_source"]
-    frame = pd.DataFrame({k: (df[k].astype(str) if k in df.columns else "") for k in keys}, index=df.index)
-    # A status row written before anything was known (a worker that died at once) joins the
-    # definition of its run in its file, or the workload's only definition.
-    run = [frame["workload"]] + [df[c].astype(str) for c in ("source", "run_id") if c in df.columns]
-    for col in ("workload_hash", "data_source"):
-        for by in (run, [frame["workload"]]):
-            missing = frame[col] == ""
-            if not missing.any():
-                break
-            known = frame[col].where(~missing)
-            single = known.groupby(by).transform(lambda s: s.dropna().iloc[0] if s.dropna().nunique() == 1 else "")
-            frame[col] = frame[col].where(~missing, single.astype(object).fillna(""))
-    defs = frame.drop_duplicates()
-    counts = defs.groupby("workload")["workload_hash"].transform("size")
-    labels = pd.Series(defs["workload"].to_numpy(), index=pd.MultiIndex.from_frame(defs))
-    multi = defs[counts.to_numpy() > 1]
-    if len(multi):
-        work = df.assign(**{k: frame[k] for k in keys})
-        derived = _derived_fields(work, keys)
-        written = (work[work["definition"].astype(str) != ""].groupby(keys, sort=False)["definition"].first()
-                   if "definition" in work.columns else pd.Series(dtype=str))
-        for workload, sub in multi.groupby("workload", sort=False):
-            fields = {}
-            for key in sub.itertuples(index=False, name=None):
-                got = definition_fields(written.get(key, "")) if key in written.index else {}
-                if not got and key in derived.index:
-                    got = {k: v for k, v in derived.loc[key].items() if v}
-                got.setdefault("data", key[2])
-                fields[key] = got
-            # A field some definitions do not record (older files) is unknown there, not different.
-            recorded = [set(got) for key, got in fields.items() if key[1]]
-            names = sorted(set.intersection(*recorded)) if recorded else []
-            differ = [f for f in names if len({got[f] for got in fields.values()}) > 1]
-            if "train" in differ:
-                differ = [f for f in differ if f not in _IMPLIED]
-            # --batch-size sets both batch sizes: infer_batch is named only when it differs on its own
-            if "batch" in differ and all(got.get("infer_batch") == got.get("batch") for got in fields.values()):
-                differ = [f for f in differ if f != "infer_batch"]
-            for key, got in fields.items():
-                parts = [f"{_FIELD_NAMES.get(f, f)} {got[f]}" for f in differ if f in got]
-                labels[key] = (f"{workload} ({', '.join(parts)})" if parts and key[1] else
-                               workload if key[1] else f"{workload} (def unknown)")
-            taken = pd.Series([labels[k] for k in fields]).value_counts()
-            for key in fields:  # readable fields do not tell these apart: the hash does
-                if taken[labels[key]] > 1:
-                    tag = f"def {key[1][:6] or 'unknown'}"
-                    labels[key] = f"{labels[key][:-1]}, {tag})" if labels[key] != workload else f"{workload} ({tag})"
-    index = pd.MultiIndex.from_frame(frame)
-    return pd.Series(labels.reindex(index).to_numpy(), index=df.index, name="experiment")
 
 
 def read_many(paths: Iterable[str | Path], skip_bad: bool = False) -> tuple["Any", list[str]]:

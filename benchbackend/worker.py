@@ -4,6 +4,7 @@
 on stdout (the protocol); anything the framework prints goes to stderr. Messages:
 
 - ``{"type": "info", ...}``     backend version, device, mode, precision, gpu, python, threads
+- ``{"type": "peak", "flops", "source", "cache_key"}``  the peak MFU is measured against
 - ``{"type": "row", ...}``      one measurement (phase build / tune / parity / train_epoch / inference)
 - ``{"type": "unavailable", "message"}``  the backend, mode, precision or device is not there
 - ``{"type": "error", "message", "traceback"}``  the cell failed
@@ -11,10 +12,11 @@ on stdout (the protocol); anything the framework prints goes to stderr. Messages
 
 ``python -m benchbackend.worker --probe module:Class`` prints ``{"version", "devices"}`` for ``list``.
 
-The job names the adapter by ``target`` (``module:Class``), so a backend registered anywhere
-(a plug-in, a test) runs without this module knowing it. The backend's environment variables
-are already in this process's environment (the parent sets them, unconditionally) before the
-adapter, and so the framework, is imported.
+The job (``launch.Job``) names the adapter by ``target`` (``module:Class``), so a backend registered
+anywhere (a plug-in, a test) runs without this module knowing it, and carries the capabilities its
+registry entry declares (a GEMM probe, thread control), which are all this module relies on.
+The backend's environment variables are already in this process's environment (the parent sets
+them, unconditionally) before the adapter, and so the framework, is imported.
 
 The order inside a cell: import the adapter, load data, build + load the shared initial weights
 (timed), tune (timed, when the mode tunes), forward parity on a fixed batch against the NumPy
@@ -25,24 +27,21 @@ NaN/inf training loss stops training (the rows are kept).
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import platform
 import sys
 import traceback
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .backends.spec import load_class
+from .launch import Job
+
 Emit = Callable[[dict[str, Any]], None]
 EVAL_BATCH = 1024  # validation and parity batches (outside the clock)
-
-
-def load_target(target: str) -> Any:
-    """The adapter class named ``package.module:ClassName`` (imports its framework)."""
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def _load_arrays(path: str) -> dict[str, np.ndarray]:
@@ -122,32 +121,27 @@ def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, A
                "reference_losses": [float(v) for v in ref_losses]})
 
 
-def run_job(job: dict[str, Any], emit: Emit) -> None:
+def run_job(job: Job, emit: Emit) -> None:
     """Run one cell and stream its messages through ``emit`` (also usable in-process by tests)."""
     from .errors import BackendUnavailable
     from .model import initial_weights, param_count
+    from .results import environment
     from .timing import peak_rss_mb
-    from .workload import Workload
 
-    workload = Workload.model_validate(job["workload"])
-    device = job.get("device", "cpu")
+    workload = job.workload
     try:
-        cls = load_target(job["target"])
-        backend = cls(workload, device, job["mode"], job.get("precision", "fp32"), job.get("options") or {})
+        cls = load_class(job.target)
+        backend = cls(workload, job.device, job.mode, job.precision, asdict(job.options))
     except (BackendUnavailable, ImportError) as exc:
         emit({"type": "unavailable", "message": str(exc).splitlines()[0] if str(exc) else repr(exc)})
         return
-    trains = bool(job.get("trains", True))
-    arrays = _load_arrays(job["data"])
-    weights = initial_weights(workload, job.get("repeat", 0))
+    arrays = _load_arrays(job.data)
+    weights = initial_weights(workload, job.repeat)
     cell = Cell(backend, workload, arrays, emit)
     base: dict[str, Any] = {"type": "row"}
-    from .results import environment
-
     emit({"type": "info", **environment(), "backend_version": backend.version(), "device": backend.device_id(),
           "mode": backend.mode, "precision": backend.precision, "gpu": backend.gpu_name(),
-          "python": platform.python_version(), "threads": _threads(backend)})
-
+          "python": platform.python_version(), "threads": _threads(backend, job)})
     try:
         params, seconds = cell.region(lambda: backend.build(weights), host=False)
     except BackendUnavailable as exc:  # e.g. a GPU provider that only fails to load at build time
@@ -155,35 +149,39 @@ def run_job(job: dict[str, Any], emit: Emit) -> None:
         return
     expected = param_count(workload)
     if params != expected:
-        raise RuntimeError(f"{job['backend']} built {params} parameters; the spec has {expected}")
-    if trains:
+        raise RuntimeError(f"{job.backend} built {params} parameters; the spec has {expected}")
+    if job.trains:
         backend.set_data(arrays["x_train"], arrays["y_train"])
-    details = backend.details()
     emit({**base, "phase": "build", "epoch": 0, "seconds": seconds, "params": params, "peak_rss_mb": peak_rss_mb(),
-          "message": "; ".join(f"{k} {v}" for k, v in details.items())})
-    peak, source, peak_key = _peak(backend, job.get("options") or {})
-    if peak:
-        emit({"type": "info", "peak_flops": peak, "peak_source": source, "peak_key": peak_key})
+          "notes": "; ".join(f"{k} {v}" for k, v in backend.details().items())})
+    peak = _peak(backend, job)
+    if peak is not None:
+        emit({"type": "peak", **peak})
     summary, seconds = cell.region(backend.tune, host=False)
     if summary is not None:
-        emit({**base, "phase": "tune", "epoch": 0, "seconds": seconds, "message": summary})
+        emit({**base, "phase": "tune", "epoch": 0, "seconds": seconds, "notes": summary})
 
-    parity_steps = int(job.get("parity_steps") or 0) if trains else 0
+    parity_steps = job.parity_steps if job.trains else 0
     _parity(cell, weights, parity_steps, base)
     if parity_steps:
         backend.build(weights)  # the trajectory check trained a few steps: start over from the shared weights
         backend.set_data(arrays["x_train"], arrays["y_train"])
-    if trains and not _train(cell, base):
+    if job.trains and not _train(cell, base):
         return  # nan_loss: stop this repeat; its rows are kept
+    _infer(cell, base)
 
-    n_test = len(arrays["y_test"])
+
+def _infer(cell: Cell, base: dict[str, Any]) -> None:
+    """The timed inference passes over the test set (the first carries warm-up)."""
     from .backends.base import accuracy
+    from .timing import peak_rss_mb
 
-    for i in range(1, workload.inference.repeats + 1):
+    labels = cell.arrays["y_test"]
+    for i in range(1, cell.workload.inference.repeats + 1):
         scores, seconds = cell.predict()
-        emit({**base, "phase": "inference", "epoch": i, "samples": n_test, "seconds": seconds,
-              "samples_per_s": n_test / seconds if seconds > 0 else None,
-              "accuracy": accuracy(np.asarray(scores), arrays["y_test"]), "peak_rss_mb": peak_rss_mb()})
+        cell.emit({**base, "phase": "inference", "epoch": i, "samples": len(labels), "seconds": seconds,
+                   "samples_per_s": len(labels) / seconds if seconds > 0 else None,
+                   "accuracy": accuracy(np.asarray(scores), labels), "peak_rss_mb": peak_rss_mb()})
 
 
 def _train(cell: Cell, base: dict[str, Any]) -> bool:
@@ -209,34 +207,36 @@ def _train(cell: Cell, base: dict[str, Any]) -> bool:
     return True
 
 
-def _peak(backend: Any, options: dict[str, Any]) -> tuple[Optional[float], str, str]:
-    """(peak FLOP/s, where it came from, cache key) for MFU: ``--peak-tflops``, else the adapter's
-    GEMM probe in its own framework (``gemm_peak(precision)``), cached (:mod:`benchbackend.peaks`)."""
-    if options.get("peak_tflops"):
-        return float(options["peak_tflops"]) * 1e12, "--peak-tflops", ""
-    probe = getattr(backend, "gemm_peak", None)
-    if probe is None:
-        return None, "", ""
+def _peak(backend: Any, job: Job) -> Optional[dict[str, Any]]:
+    """The peak for MFU: ``--peak-tflops``, else the adapter's GEMM probe in its own framework where
+    its registry entry declares one, cached (:mod:`benchbackend.peaks`); None without either."""
+    if job.options.peak_tflops:
+        return {"flops": float(job.options.peak_tflops) * 1e12, "source": "--peak-tflops"}
+    if not job.capabilities.peak_probe:
+        return None
     from . import peaks
     from .results import environment
 
     env = environment()
-    k = peaks.key(env["host"], env["cpu"], backend.name, backend.device_id(), backend.precision, _threads(backend))
+    k = peaks.key(env["host"], env["cpu"], backend.name, backend.device_id(), backend.precision,
+                  _threads(backend, job))
     hit = peaks.lookup(k)
     if hit is not None:
-        return hit[0], f"{backend.name} GEMM probe (cached {hit[1]})", k
-    return peaks.store(k, float(probe(backend.precision))), f"{backend.name} GEMM probe", k
+        return {"flops": hit[0], "source": f"{backend.name} GEMM probe (cached {hit[1]})", "cache_key": k}
+    flops = peaks.store(k, float(backend.gemm_peak(backend.precision)))
+    return {"flops": flops, "source": f"{backend.name} GEMM probe", "cache_key": k}
 
 
-def _threads(backend: Any) -> Optional[int]:
-    threads = getattr(backend, "threads", None)
-    if callable(threads):
-        return threads()
-    return backend.options.get("threads") or os.cpu_count()
+def _threads(backend: Any, job: Job) -> Optional[int]:
+    """The intra-op threads the cell uses: the framework's own count where the adapter controls
+    threads, else what ``--threads`` asked (or every core)."""
+    if job.capabilities.thread_control:
+        return backend.threads()
+    return job.options.threads or os.cpu_count()
 
 
 def _probe(target: str) -> dict[str, Any]:
-    return load_target(target).probe()
+    return load_class(target).probe()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,8 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["--probe"]:  # argv[1]: "module:Class"
             emit(_probe(argv[1]))
             return 0
-        job = json.loads(sys.stdin.read())
-        run_job(job, emit)
+        run_job(Job.from_json(sys.stdin.read()), emit)
         emit({"type": "done"})
         return 0
     except Exception as exc:  # the parent turns this into a `crashed` row with the traceback tail

@@ -191,8 +191,9 @@ class Workload(_Strict):
                        seed: Optional[int] = None, batch_size: Optional[int] = None) -> "Workload":
         """A copy with command-line overrides applied.
 
-        ``limit`` caps the training samples; validation and test shrink in proportion
-        (never below 256, or the full size if smaller, so the chance check has samples to judge), so a smoke run stays a smoke run.
+        ``limit`` caps the training samples; validation and test shrink in proportion (never below
+        256, or the full size if smaller, so the chance check has samples to judge), so a smoke run
+        stays a smoke run.
         ``batch_size`` sets both the training and the inference batch size.
         """
         upd: dict[str, Any] = {}

@@ -1,31 +1,34 @@
-"""The local executor: one cell at a time on this machine, each repeat in a fresh worker process."""
+"""The local executor: one cell at a time on this machine, each in a fresh worker process."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
-from ..launch import run_worker
+from ..launch import python_for, stream, worker_environ
+from ..messages import Ended, Message, Started
 
 if TYPE_CHECKING:
-    from ..plan import Group
-    from ..runner import Runner
+    from ..plan import GroupId
+    from ..runner import Task
 
 
 class LocalExecutor:
-    name = "local"
+    """Runs the tasks in their order. A group whose cell came back ``unavailable`` runs no more
+    cells (its other repeats would say the same). Stopping the iteration (Ctrl-C) kills the worker."""
 
-    def run(self, runner: "Runner", groups: "list[Group]") -> None:
-        for group in groups:
-            python, env = runner.launch_args(group)
-            for repeat in range(1, group.repeats + 1):
-                state = runner.start(group, repeat)
-                runner.progress(f"{state.tag} starting worker")
-                try:
-                    outcome = run_worker(python, env, runner.job(group, repeat),
-                                         on_message=lambda msg: runner.message(state, msg),
-                                         timeout=runner.plan.timeout, on_wait=lambda s: runner.waiting(state, s))
-                except KeyboardInterrupt:
-                    runner.interrupted(state)
-                    raise
-                cell = runner.finish(state, outcome)
-                if cell.status == "unavailable":
-                    break  # the other repeats would say the same
+    remote = False
+
+    def __init__(self, timeout: Optional[float] = None):
+        self.timeout = timeout
+
+    def run(self, tasks: Sequence["Task"]) -> Iterator[Message]:
+        given_up: set["GroupId"] = set()
+        for task in tasks:
+            if task.cell.group in given_up:
+                continue
+            job = task.job
+            python, env = python_for(task.spec), worker_environ(task.spec, job.device, job.options.threads)
+            yield Started(task.cell)
+            outcome = yield from stream(task.cell, python, env, job, self.timeout)
+            yield Ended(task.cell, outcome)
+            if outcome.status == "unavailable":
+                given_up.add(task.cell.group)

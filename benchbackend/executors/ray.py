@@ -1,49 +1,52 @@
-"""The Ray executor: the plan's cells as Ray tasks on a cluster's nodes, rows streamed home.
+"""The Ray executor: the plan's cells as Ray tasks on a cluster's nodes, their messages streamed home.
 
-Each task runs the same worker subprocess as the local executor (``launch.run_worker``, a fresh
-process per repeat, in the backend's interpreter on that node) and yields the worker's messages as
-they arrive (a streaming generator task); the driver hands them to the runner, which writes them.
+Each task runs the same worker subprocess as the local executor (``launch.stream``, a fresh
+process per cell, in the backend's interpreter on that node) and yields the worker's messages as
+they arrive (a streaming generator task, messages ``encode``d without their cell); the driver
+yields them to the runner, which writes them.
 
 Placement is decided here, not left to Ray's queue, so that nothing waits forever for a node
 that does not exist:
 
-- by default all repeats of a group run in one task on one node, one after the other (like with
-  like); ``allow_mixed_hosts`` makes every repeat its own task, on whichever node is free;
+- by default the cells of one comparison group (one workload definition; those of one isolated
+  environment apart) run in one task on one node, in the plan's order, so their repeats are
+  interleaved there and like is compared with like; ``allow_mixed_hosts`` makes every cell its
+  own task, on whichever node is free;
 - a cell reserves a whole node's CPUs, or ``node CPUs / cells_per_node`` (its threads then default
-  to that share); ``--device gpu`` asks ``num_gpus=1``;
+  to that share); a cell on a GPU (``gpu``, ``cuda``, ``cuda:N``, ...) asks ``num_gpus=1``;
 - a backend with an isolated environment needs the custom resource ``benchbackend-env-<name>``,
   which a node advertises (``ray start --resources '{"benchbackend-env-plaidml": 1}'``);
 - a group no live node can take gets an ``unavailable`` cell that says what was missing.
 
 Faults cost one cell: a Ray worker or node that dies mid-cell makes that cell ``crashed`` with
-Ray's reason (its streamed rows are kept); the group's remaining repeats are resubmitted, to the
-same node while it lives. Tasks are never retried by Ray (a retry would measure a cell twice).
-Ctrl-C cancels every task, marks the running cells ``interrupted`` and re-raises.
+Ray's reason (its streamed rows are kept); the task's remaining cells are resubmitted, to the same
+node while it lives. Tasks are never retried by Ray (a retry would measure a cell twice). When the
+consumer stops (Ctrl-C), every task is cancelled, which kills its worker.
 """
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import tempfile
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
 
 import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .. import backends
+from ..backends.spec import gpu_index
 from ..errors import ClusterError
-from ..launch import HEARTBEAT_S, Outcome, run_worker
+from ..launch import HEARTBEAT_S, python_for, stream, worker_environ
+from ..messages import Ended, Heartbeat, Message, Outcome, Started, decode, encode
 
 if TYPE_CHECKING:
-    from ..plan import Group
-    from ..runner import CellState, Runner
+    from ..plan import Cell, GroupId
+    from ..runner import Task
 
 ENV_RESOURCE = "benchbackend-env-{}"
 #: How much of a node's ``benchbackend-env-*`` resource a cell takes: a marker, not a limit.
@@ -60,47 +63,57 @@ def local_resources() -> dict[str, float]:
     return {ENV_RESOURCE.format(name): 1.0 for name in backends.isolated_envs() if envs.is_ready(name)}
 
 
+def needs(task: "Task") -> dict[str, float]:
+    """The Ray resources a cell needs besides CPUs: a GPU, an isolated environment."""
+    out = {"GPU": 1.0} if task.job.device != "tpu" and gpu_index(task.job.device, task.spec.name) is not None else {}
+    if task.spec.isolated_env:
+        out[ENV_RESOURCE.format(task.spec.isolated_env)] = ENV_SHARE
+    return out
+
+
 @dataclass
 class _Work:
-    """Repeats of one group that must run in one task (one repeat with mixed hosts allowed)."""
+    """Cells that run in one task on one node, in order."""
 
-    group: "Group"
-    repeats: list[int]
-    node: Optional[str] = None  # the node the group is pinned to, once it has run there
+    tasks: list["Task"]
+    node: Optional[str] = None  # the node the work is pinned to, once it has run there
+
+    @property
+    def needs(self) -> dict[str, float]:
+        return needs(self.tasks[0])
 
 
 @dataclass
-class _Task:
+class _Running:
     work: _Work
     node: str
     gen: Any  # ray.ObjectRefGenerator
-    state: Optional["CellState"] = None
-    done: list[int] = field(default_factory=list)
-    unavailable: bool = False
+    current: Optional["Cell"] = None
+    done: set[int] = field(default_factory=set)
 
 
 class RayExecutor:
-    """Runs groups as Ray tasks; see the module docstring. ``address=None`` starts a local cluster."""
+    """Runs cells as Ray tasks; see the module docstring. ``address=None`` starts a local cluster."""
 
-    name = "ray"
     #: Cells run on the cluster's nodes: what is installed on the driver says nothing about them
     #: (a node without the backend answers with an ``unavailable`` row from its worker).
     remote = True
 
     def __init__(self, address: Optional[str] = None, cells_per_node: Optional[int] = None,
-                 allow_mixed_hosts: bool = False, num_cpus: Optional[int] = None):
+                 allow_mixed_hosts: bool = False, num_cpus: Optional[int] = None, timeout: Optional[float] = None):
         if cells_per_node is not None and cells_per_node < 1:
             raise ValueError("cells_per_node must be at least 1")
         self.address = address
         self.cells_per_node = cells_per_node
         self.allow_mixed_hosts = allow_mixed_hosts
         self.num_cpus = num_cpus  # of the local cluster only (None: all cores)
+        self.timeout = timeout
         self._owned = False  # whether this executor started or joined Ray (and so shuts it down)
 
-    def run(self, runner: "Runner", groups: "list[Group]") -> None:
+    def run(self, tasks: Sequence["Task"]) -> Iterator[Message]:
         self.connect()
         try:
-            _Session(self, runner).run(groups)
+            yield from _Session(self, tasks).messages()
         finally:
             if self._owned:
                 ray.shutdown()
@@ -141,39 +154,47 @@ def _check_reachable(address: str) -> None:
                            f"(is `ray start --head` running there?)") from None
 
 
+def _units(tasks: Sequence["Task"], mixed: bool) -> list[_Work]:
+    """The work units in plan order: one per cell with mixed hosts allowed, else one per comparison
+    group and set of needs (a group's cells in an isolated environment form their own unit)."""
+    if mixed:
+        return [_Work([t]) for t in tasks]
+    units: dict[tuple[str, tuple], _Work] = {}
+    for t in tasks:
+        units.setdefault((t.cell.comparison, tuple(sorted(needs(t).items()))), _Work([])).tasks.append(t)
+    return list(units.values())
+
+
 class _Session:
-    """One executor run: the queue of work, the running tasks, the runner they report to."""
+    """One executor run: the queue of work, the running tasks, the cells they report on."""
 
-    def __init__(self, executor: RayExecutor, runner: "Runner"):
+    def __init__(self, executor: RayExecutor, tasks: Sequence["Task"]):
         self.ex = executor
-        self.runner = runner
-        self.pending: deque[_Work] = deque()
-        self.running: dict[Any, _Task] = {}
+        self.cells = {t.cell.order: t.cell for t in tasks}
+        self.pending: deque[_Work] = deque(_units(tasks, executor.allow_mixed_hosts))
+        self.running: dict[Any, _Running] = {}
         self.data: dict[str, Any] = {}
-        self.given_up: set[str] = set()  # group keys that came back unavailable
+        self.given_up: set["GroupId"] = set()  # groups that came back unavailable
 
-    def run(self, groups: "list[Group]") -> None:
-        for g in groups:
-            if self.ex.allow_mixed_hosts:
-                self.pending.extend(_Work(g, [r]) for r in range(1, g.repeats + 1))
-            else:
-                self.pending.append(_Work(g, list(range(1, g.repeats + 1))))
+    def messages(self) -> Iterator[Message]:
+        finished = False
         try:
             while self.pending or self.running:
                 if self.pending:
-                    self._submit(_alive_nodes())
+                    yield from self._submit(_alive_nodes())
                 if not self.running:
                     time.sleep(_POLL_S)  # every node that can take the next work is busy elsewhere
                     continue
                 ready, _ = ray.wait(list(self.running), num_returns=1, timeout=_POLL_S)
                 for gen in ready:
-                    self._step(self.running[gen])
-        except KeyboardInterrupt:
-            self._cancel_all()
-            raise
+                    yield from self._step(self.running[gen])
+            finished = True
+        finally:
+            if not finished:  # Ctrl-C or a consumer that stopped: no task outlives the run
+                self._cancel_all()
 
     # --- placement ----------------------------------------------------------------------------
-    def _submit(self, nodes: list[dict[str, Any]]) -> None:
+    def _submit(self, nodes: list[dict[str, Any]]) -> Iterator[Message]:
         busy: dict[str, int] = {}
         for task in self.running.values():
             busy[task.node] = busy.get(task.node, 0) + 1
@@ -181,13 +202,14 @@ class _Session:
         waiting: deque[_Work] = deque()
         while self.pending:
             work = self.pending.popleft()
-            if work.group.key in self.given_up:
+            work.tasks = [t for t in work.tasks if t.cell.group not in self.given_up]
+            if not work.tasks:
                 continue
-            fit = [n for n in nodes if not _missing(self._needs(work.group), n)]
+            fit = [n for n in nodes if not _missing(work.needs, n)]
             if work.node and any(n["NodeID"] == work.node for n in fit):
-                fit = [n for n in fit if n["NodeID"] == work.node]  # the group stays where it began
+                fit = [n for n in fit if n["NodeID"] == work.node]  # the work stays where it began
             if not fit:
-                self._unavailable(work, nodes)
+                yield from self._unavailable(work, nodes)
                 continue
             free = [n for n in fit if busy.get(n["NodeID"], 0) < slots]
             if not free:
@@ -198,110 +220,84 @@ class _Session:
             self._launch(work, node)
         self.pending = waiting
 
-    def _needs(self, group: "Group") -> dict[str, float]:
-        spec = backends.get(group.choice.backend)
-        needs = {"GPU": 1.0} if self.runner.plan.device == "gpu" else {}
-        if spec.isolated_env:
-            needs[ENV_RESOURCE.format(spec.isolated_env)] = ENV_SHARE
-        return needs
-
     def _cpus(self, node: Mapping[str, Any]) -> float:
         total = float(node["Resources"].get("CPU", 0))
         share = total / (self.ex.cells_per_node or 1)
         return float(int(share)) if share >= 1 else round(share, 4)  # Ray takes whole numbers above 1
 
     def _launch(self, work: _Work, node: Mapping[str, Any]) -> None:
-        group, runner = work.group, self.runner
-        spec = backends.get(group.choice.backend)
-        needs = self._needs(group)
+        resources = dict(work.needs)
         cpus = self._cpus(node)
-        threads = runner.plan.options.get("threads") or (int(cpus) if self.ex.cells_per_node and cpus >= 1 else None)
-        jobs = [runner.job(group, r) for r in work.repeats]
-        for job in jobs:  # adapters size their own pools from the option, OpenMP/MKL from the env
-            job["options"] = {**job["options"], "threads": threads}
+        # Adapters size their own pools from the option, OpenMP/MKL from the env.
+        share = int(cpus) if self.ex.cells_per_node and cpus >= 1 else None
         options: dict[str, Any] = {
-            "num_cpus": cpus, "num_gpus": needs.pop("GPU", 0), "resources": needs, "max_retries": 0,
+            "num_cpus": cpus, "num_gpus": resources.pop("GPU", 0), "resources": resources, "max_retries": 0,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)}
-        gen = _cell_task.options(**options).remote(spec, jobs, self._data(group), runner.plan.device, threads,
-                                                   runner.plan.timeout)
+        gen = _cell_task.options(**options).remote(work.tasks, self._data(work), share, self.ex.timeout)
         work.node = node["NodeID"]
-        self.running[gen] = _Task(work, node["NodeID"], gen)
+        self.running[gen] = _Running(work, node["NodeID"], gen)
 
-    def _data(self, group: "Group") -> Any:
+    def _data(self, work: _Work) -> Any:
         """The workload's arrays in the object store, put once: nodes cannot read the driver's files."""
-        key = group.workload.hash()
-        if key not in self.data:
-            self.data[key] = ray.put(Path(self.runner.npz[key]).read_bytes())
-        return self.data[key]
+        path = work.tasks[0].job.data
+        if path not in self.data:
+            self.data[path] = ray.put(Path(path).read_bytes())
+        return self.data[path]
 
-    def _unavailable(self, work: _Work, nodes: list[dict[str, Any]]) -> None:
-        needs = self._needs(work.group)
-        missing = sorted({m for n in nodes for m in _missing(needs, n)} or needs)
+    def _unavailable(self, work: _Work, nodes: list[dict[str, Any]]) -> Iterator[Message]:
+        missing = sorted({m for n in nodes for m in _missing(work.needs, n)} or work.needs)
         hint = "".join(f"; advertise it with `ray start --resources '{{\"{m}\": 1}}'` on a node that has run "
                        f"`benchbackend setup {m.removeprefix(ENV_RESOURCE.format(''))}`"
                        for m in missing if m.startswith(ENV_RESOURCE.format("")))
-        state = self.runner.start(work.group, work.repeats[0])
-        self.runner.finish(state, Outcome("unavailable", f"no live node of the Ray cluster ({len(nodes)} nodes) "
-                                                         f"has {', '.join(missing)}{hint}"))
-        self.given_up.add(work.group.key)
+        outcome = Outcome("unavailable", f"no live node of the Ray cluster ({len(nodes)} nodes) has "
+                                         f"{', '.join(missing)}{hint}")
+        for task in work.tasks:
+            if task.cell.group not in self.given_up:
+                self.given_up.add(task.cell.group)
+                yield Started(task.cell)
+                yield Ended(task.cell, outcome)
 
     # --- messages -----------------------------------------------------------------------------
-    def _step(self, task: _Task) -> None:
+    def _step(self, task: _Running) -> Iterator[Message]:
         try:
             ref = next(task.gen)
         except StopIteration:
-            self._ended(task)
+            del self.running[task.gen]
+            if task.current is not None:  # the stream ended inside a cell without an error: never expected
+                yield Ended(task.current, Outcome("crashed", "the Ray task ended before its worker did"))
             return
         try:
-            kind, payload = ray.get(ref)
+            message = decode(ray.get(ref), self.cells)
         except RayError as exc:
-            self._fault(task, exc)
+            yield from self._fault(task, exc)
             return
-        runner = self.runner
-        if kind == "start":
-            task.state = state = runner.start(task.work.group, payload["repeat"])
-            state.base.update(payload["environment"])  # the node's host, os, cpu until the worker says
-            runner.progress(f"{state.tag} starting worker on {payload['environment']['host']}")
-        elif kind == "message" and task.state is not None:
-            runner.message(task.state, payload)
-        elif kind == "wait" and task.state is not None:
-            runner.waiting(task.state, payload)
-        elif kind == "end" and task.state is not None:
-            cell = runner.finish(task.state, Outcome(payload["status"], payload["message"]))
-            task.done.append(cell.repeat)
-            task.state = None
-            if cell.status == "unavailable":
-                task.unavailable = True
-                self.given_up.add(task.work.group.key)
+        if isinstance(message, Started):
+            task.current = message.cell
+        elif isinstance(message, Ended):
+            task.current = None
+            task.done.add(message.cell.order)
+            if message.outcome.status == "unavailable":
+                self.given_up.add(message.cell.group)
+        yield message
 
-    def _ended(self, task: _Task) -> None:
-        del self.running[task.gen]
-        if task.state is not None:  # the stream ended inside a cell without an error: never expected
-            self.runner.finish(task.state, Outcome("crashed", "the Ray task ended before its worker did"))
-            task.done.append(task.state.cell.repeat)
-
-    def _fault(self, task: _Task, exc: RayError) -> None:
-        """The task's worker or node died: the running cell is crashed, the rest of the group goes on."""
+    def _fault(self, task: _Running, exc: RayError) -> Iterator[Message]:
+        """The task's worker or node died: the running cell is crashed, the rest of the work goes on."""
         reason = _reason(exc)
         del self.running[task.gen]
-        if task.state is not None:
-            self.runner.finish(task.state, Outcome("crashed", f"Ray: {reason}"))
-            task.done.append(task.state.cell.repeat)
-        rest = [r for r in task.work.repeats if r not in task.done]
-        if rest and not task.unavailable:
-            self.runner.progress(f"[{task.work.group.key}] repeats {rest} resubmitted after: {reason}")
-            self.pending.appendleft(_Work(task.work.group, rest, task.node))
+        if task.current is not None:
+            task.done.add(task.current.order)
+            yield Ended(task.current, Outcome("crashed", f"Ray: {reason}"))
+        rest = [t for t in task.work.tasks if t.cell.order not in task.done]
+        if rest:
+            self.pending.appendleft(_Work(rest, task.node))
 
     def _cancel_all(self) -> None:
-        """Ctrl-C: pending work is dropped, running cells are interrupted, every task is cancelled."""
+        """Every task is cancelled (KeyboardInterrupt in the task: it kills its worker process)."""
         self.pending.clear()
-        for task in self.running.values():
-            if task.state is not None:
-                self.runner.interrupted(task.state)
-                task.state = None
-            ray.cancel(task.gen)  # KeyboardInterrupt in the task: it kills its worker process
-        deadline = time.monotonic() + _CANCEL_GRACE_S
         gens = list(self.running)
+        for gen in gens:
+            ray.cancel(gen)
+        deadline = time.monotonic() + _CANCEL_GRACE_S
         while gens and time.monotonic() < deadline:
             ready, gens = ray.wait(gens, num_returns=1, timeout=0.5)
             for gen in ready:
@@ -320,9 +316,9 @@ def _reason(exc: RayError) -> str:
     return f"{type(exc).__name__}: {first}"[:400]
 
 
-def _missing(needs: Mapping[str, float], node: Mapping[str, Any]) -> list[str]:
+def _missing(wanted: Mapping[str, float], node: Mapping[str, Any]) -> list[str]:
     have = node.get("Resources", {})
-    return [k for k, v in needs.items() if float(have.get(k, 0)) < v]
+    return [k for k, v in wanted.items() if float(have.get(k, 0)) < v]
 
 
 def _alive_nodes() -> list[dict[str, Any]]:
@@ -331,77 +327,45 @@ def _alive_nodes() -> list[dict[str, Any]]:
 
 # --- on the node ------------------------------------------------------------------------------
 @ray.remote(max_retries=0)
-def _cell_task(spec: backends.BackendSpec, jobs: list[dict[str, Any]], npz: bytes, device: str,
-               threads: Optional[int], timeout: Optional[float]) -> Iterator[tuple[str, Any]]:
-    """Run the jobs (repeats) one after the other on this node; yield ``(kind, payload)``:
-    ``start`` (repeat, node environment), ``message`` (a worker message), ``wait`` (seconds of
-    silence), ``end`` (the worker's outcome)."""
+def _cell_task(tasks: list["Task"], npz: bytes, share: Optional[int], timeout: Optional[float]) -> Iterator[Any]:
+    """Run the cells one after the other on this node, yielding every message ``encode``d. ``share``:
+    the threads of this node's share of CPUs, unless the user set ``--threads``."""
     from ..results import environment
-    from ..runner import python_for, worker_environ
 
     node_env = environment()
+    given_up: set["GroupId"] = set()
     with tempfile.TemporaryDirectory(prefix="benchbackend-ray-") as tmp:
         data = Path(tmp) / "data.npz"
         data.write_bytes(npz)
-        python, env = python_for(spec), worker_environ(spec, device, threads)
-        for job in jobs:
-            yield "start", {"repeat": job["repeat"], "environment": node_env}
-            outcome = yield from _stream_worker(python, env, dict(job, data=str(data)), timeout)
-            yield "end", {"status": outcome.status, "message": outcome.message}
+        for task in tasks:
+            cell = task.cell
+            if cell.group in given_up:
+                continue  # its other repeats would say the same
+            job = task.job.with_data(str(data))
+            job = job.with_threads(job.options.threads or share)
+            python, env = python_for(task.spec), worker_environ(task.spec, job.device, job.options.threads)
+            yield encode(Started(cell, node_env))
+            outcome = yield from _forward(stream(cell, python, env, job, timeout, heartbeat_s=1.0))
+            yield encode(Ended(cell, outcome))
             if outcome.status == "unavailable":
-                return  # the other repeats would say the same
+                given_up.add(cell.group)
 
 
-class _Stop(Exception):
-    """Raised inside ``run_worker``'s callback to make it kill its worker."""
+def _forward(messages: Any) -> Any:
+    """Yield a worker's messages ``encode``d, a heartbeat only after each ``HEARTBEAT_S`` of silence.
 
-
-def _stream_worker(python: str, env: Mapping[str, str], job: dict[str, Any],
-                   timeout: Optional[float]) -> Iterator[tuple[str, Any]]:
-    """``run_worker`` in a thread, its messages yielded as they come.
-
-    The generator must yield while the worker runs, so ``run_worker`` cannot run on this thread;
-    when the task is cancelled (KeyboardInterrupt here) the thread's next heartbeat, within a
-    second, raises ``_Stop`` inside ``run_worker``, which kills the worker process group.
-    """
-    events: "queue.Queue[tuple[str, Any]]" = queue.Queue()
-    stop = threading.Event()
-    heard = [time.monotonic()]  # when the driver last heard of this cell
-
-    def on_message(msg: dict[str, Any]) -> None:
-        heard[0] = time.monotonic()
-        events.put(("message", msg))
-
-    def on_wait(seconds: float) -> None:
-        if stop.is_set():
-            raise _Stop()
-        if time.monotonic() - heard[0] >= HEARTBEAT_S:  # as locally: after each HEARTBEAT_S of silence
-            heard[0] = time.monotonic()
-            events.put(("wait", seconds))
-
-    def target() -> None:
-        try:
-            outcome = run_worker(python, env, job, on_message=on_message, timeout=timeout, on_wait=on_wait,
-                                 heartbeat_s=1.0)
-        except _Stop:
-            outcome = Outcome("interrupted", "cancelled")
-        except BaseException as exc:  # the launcher's own failure: the cell's, not the task's
-            outcome = Outcome("crashed", f"launcher failed on the node: {exc!r}")
-        events.put(("outcome", outcome))
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
+    The stream wakes every second so that a cancellation (KeyboardInterrupt, which Ray delivers
+    only between bytecodes) lands within a second; the stream's own cleanup then kills the worker."""
+    heard = time.monotonic()
     try:
         while True:
             try:
-                # A timeout, not a bare get(): Ray delivers a cancellation (KeyboardInterrupt) only
-                # between bytecodes, never to a thread blocked in a lock.
-                kind, payload = events.get(timeout=0.5)
-            except queue.Empty:
+                message = next(messages)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(message, Heartbeat) and time.monotonic() - heard < HEARTBEAT_S:
                 continue
-            if kind == "outcome":
-                return payload
-            yield kind, payload
+            heard = time.monotonic()
+            yield encode(message)
     finally:
-        stop.set()
-        thread.join(timeout=10)
+        messages.close()

@@ -1,0 +1,189 @@
+"""What a person sees while a run goes: cells done out of the total, the current cell and epoch,
+the time elapsed and the time left (estimated from the cells that finished).
+
+``display(quiet, stream)`` picks one of three: on a terminal a live line that redraws in place
+under the log (``rich``), in CI or when piped plain lines (each finished cell says ``[k/N]`` with
+the elapsed and estimated time), and nothing at all with ``--quiet``. The runner calls the same
+methods on each; nothing here knows about rows, CSVs or frameworks.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Optional, TextIO
+
+if TYPE_CHECKING:
+    from .plan import Cell
+
+
+def tag(cell: "Cell") -> str:
+    """``[mnist/torch:eager/fp32 r1/3]``: how every line names its cell."""
+    c = cell.choice
+    sweep = f" b{cell.workload.training.batch_size}" if cell.sweep else ""
+    return f"[{cell.workload.name}{sweep}/{c.backend}:{c.mode}/{c.precision} r{cell.repeat}/{cell.repeats}]"
+
+
+def clock(seconds: float) -> str:
+    """``0:42``, ``12:05``, ``1:02:03``."""
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Display:
+    """The quiet display, and the bookkeeping every display shares: counts and the estimate."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.done = 0
+        self.started_at = time.monotonic()
+        self.cell_started_at = self.started_at
+        self.cell_seconds: list[float] = []
+        self.current: Optional["Cell"] = None
+        self.epoch_text = ""
+
+    # --- what the runner calls --------------------------------------------------------------
+    def begin(self, total: int) -> None:
+        self.total, self.started_at = total, time.monotonic()
+
+    def note(self, text: str) -> None:
+        """One line of the log (a cell's progress, a warning)."""
+
+    def cell_started(self, cell: "Cell") -> None:
+        self.current, self.cell_started_at, self.epoch_text = cell, time.monotonic(), ""
+
+    def epoch(self, cell: "Cell", epoch: int, epochs: int) -> None:
+        self.epoch_text = f"epoch {epoch}/{epochs}"
+
+    def cell_ended(self, cell: "Cell", status: str) -> None:
+        self.done += 1
+        self.cell_seconds.append(time.monotonic() - self.cell_started_at)
+        self.current = None
+
+    def skipped(self, cells: int) -> None:
+        """Cells that will not run after all (their group is unavailable): the total shrinks."""
+        self.total = max(self.done, self.total - cells)
+
+    def close(self) -> None:
+        """The run has ended (or was interrupted)."""
+
+    # --- shared -----------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started_at
+
+    def left(self) -> Optional[float]:
+        """Seconds left: the mean of the finished cells times the cells not finished; None before one."""
+        if not self.cell_seconds:
+            return None
+        return sum(self.cell_seconds) / len(self.cell_seconds) * max(0, self.total - self.done)
+
+    def status(self) -> str:
+        """``3/12 cells, 0:42 elapsed, ~1:30 left``."""
+        left = self.left()
+        return (f"{self.done}/{self.total} cells, {clock(self.elapsed())} elapsed"
+                + (f", ~{clock(left)} left" if left is not None else ""))
+
+
+class PlainDisplay(Display):
+    """Plain lines (CI, a pipe, a file): the log, and the counts at the end of each cell."""
+
+    def __init__(self, stream: TextIO):
+        super().__init__()
+        self.stream = stream
+
+    def note(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def cell_ended(self, cell: "Cell", status: str) -> None:
+        super().cell_ended(cell, status)
+        self.note(f"{tag(cell)} {status} [{self.status()}]")
+
+
+class LiveDisplay(Display):
+    """A terminal: the log scrolls, and one line under it redraws in place with the counts, the
+    current cell and epoch, and the times."""
+
+    def __init__(self, stream: TextIO):
+        super().__init__()
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console(file=stream, highlight=False, soft_wrap=True)
+        self.live = Live(self._render(), console=self.console, auto_refresh=True, refresh_per_second=2,
+                         transient=True, get_renderable=self._render)
+
+    def _render(self) -> Any:
+        from rich.text import Text
+
+        now = f" | {tag(self.current)} {self.epoch_text}".rstrip() if self.current is not None else ""
+        return Text(f"{self.status()}{now}", style="bold")
+
+    def begin(self, total: int) -> None:
+        super().begin(total)
+        self.live.start()
+
+    def note(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+    def cell_ended(self, cell: "Cell", status: str) -> None:
+        super().cell_ended(cell, status)
+        self.note(f"{tag(cell)} {status}")
+
+    def close(self) -> None:
+        self.live.stop()
+        self.note(f"done: {self.status()}")
+
+
+def display(quiet: bool = False, stream: Optional[TextIO] = None) -> Display:
+    """The display for this terminal: none with ``quiet``; live on an interactive terminal outside
+    CI; plain lines otherwise."""
+    stream = stream or sys.stderr
+    if quiet:
+        return Display()
+    interactive = stream.isatty() and not os.environ.get("CI") and os.environ.get("TERM") != "dumb"
+    return LiveDisplay(stream) if interactive else PlainDisplay(stream)
+
+
+def row_line(row: dict[str, Any], workload: Any, inference_seconds: list[float]) -> Optional[str]:
+    """The log line of one measured row (None for rows that say nothing worth a line)."""
+    phase = row.get("phase")
+    if phase == "train_epoch":
+        return (f"epoch {row['epoch']}/{workload.training.epochs}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
+                f"val_acc {row['val_accuracy']:.3f}  {row['seconds']:.2f}s  "
+                f"{row.get('samples_per_s') or 0:.0f} samples/s")
+    if phase == "build":
+        extra = f" ({row['notes']})" if row.get("notes") else ""
+        return f"built {row.get('params')} params in {row['seconds']:.2f}s{extra}"
+    if phase == "tune":
+        return f"tuned in {row['seconds']:.1f}s: {row.get('notes')}"
+    if phase == "parity" and row.get("steps"):
+        return f"trajectory: {row.get('notes')}"
+    if phase == "parity":
+        return (f"parity vs NumPy reference: max abs {row['parity_max_abs']:.2g}, "
+                f"max rel {row['parity_max_rel']:.2g}")
+    if phase == "inference" and len(inference_seconds) == workload.inference.repeats:
+        steady = inference_seconds[1:] or inference_seconds
+        return (f"inference x{len(inference_seconds)}: first {inference_seconds[0]:.3f}s, "
+                f"steady median {statistics.median(steady):.3f}s")
+    return None
+
+
+def summary_line(result: Any) -> str:
+    """One cell in the end-of-run summary (a ``runner.CellResult``): status, steady epoch time (the
+    median of the epochs after the first; none with one epoch, as ``compare`` says), final
+    validation accuracy, steady inference time."""
+    cell = result.cell
+    steady = result.epoch_seconds[1:]  # the first epoch holds tracing and compilation: never steady
+    epoch = (f"epoch {statistics.median(steady):.3f}s" if steady else
+             "epoch n/a (one epoch: no steady state)" if result.epoch_seconds else "epoch n/a")
+    acc = f"val_acc {result.val_accuracy:.3f}" if result.val_accuracy is not None else "val_acc n/a"
+    passes = result.inference_seconds[1:] or result.inference_seconds
+    inf = f"infer {statistics.median(passes):.3f}s" if passes else "infer n/a"
+    c = cell.choice
+    name = (cell.workload.name + (f" b{cell.workload.training.batch_size}" if cell.sweep else "")).strip()
+    head = f"{name:<10} {c.backend + ':' + c.mode + '/' + c.precision:<28} {result.device:<8} r{cell.repeat}"
+    tail = f"  {result.message}" if result.message and result.status != "ok" else ""
+    return f"{head}  {result.status:<16} {epoch}  {acc}  {inf}{tail}"
