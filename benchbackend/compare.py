@@ -28,9 +28,10 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from . import results, stats, tables
+from . import experiments, results, stats, summary, tables
 from .errors import ResultsError
-from .stats import CONTEXT_KEYS, GROUP_KEYS, METRICS, TTA, label
+from .experiments import CONTEXT_KEYS, GROUP_KEYS, GroupKey
+from .summary import METRICS, TTA
 
 FORMATS = ("table", "markdown", "csv", "json")
 MIN_REPEATS = 3
@@ -74,30 +75,22 @@ def _expand(paths: list[str]) -> list[str]:
     return out
 
 
-def group_name(key: tuple) -> str:
-    """``mnist/cpu/torch`` (``mnist (limit 1024)/cpu/torch``) for warnings."""
-    experiment, device, backend, mode = key
-    return f"{experiment}/{device}/{label(backend, mode)}"
+def _keys(frame: pd.DataFrame) -> list[GroupKey]:
+    return [GroupKey.of(k) for k in frame.index]
 
 
-def _matches(key: tuple, name: str) -> bool:
-    backend, sep, mode = name.partition(":")
-    return key[2] == backend and (not sep or key[3] == mode)
-
-
-def _preference(key: tuple) -> tuple:
+def _preference(key: GroupKey) -> tuple:
     """Sort key of default baselines: registry order (the reference oracle last), fp32 before
     other precisions, a backend's default mode first."""
     from . import backends as registry
 
     names = list(registry.BACKENDS)
-    backend, mode = key[2], key[3]
-    order = names.index(backend) if backend in names else len(names)
-    base_mode, _, precision = mode.partition("@")
-    spec = registry.BACKENDS.get(backend)
-    modes = [m.name for m in spec.modes] if spec is not None else []
-    mode_rank = modes.index(base_mode) if base_mode in modes else (0 if not base_mode else len(modes))
-    return (backend == REFERENCE_BACKEND, order, backend, bool(precision), mode_rank, mode)
+    order = names.index(key.backend) if key.backend in names else len(names)
+    spec = registry.BACKENDS.get(key.backend)
+    modes = list(spec.mode_names) if spec is not None else []
+    mode_rank = modes.index(key.mode) if key.mode in modes else len(modes)
+    return (key.backend == REFERENCE_BACKEND, order, key.backend, key.precision != "fp32", key.precision,
+            mode_rank, key.mode)
 
 
 def _metrics(metric: str) -> tuple[tuple[str, str], ...]:
@@ -106,39 +99,49 @@ def _metrics(metric: str) -> tuple[tuple[str, str], ...]:
 
 
 def _pick_baseline(frame: pd.DataFrame, baseline: Optional[str], where: str,
-                   warnings: list[str], metric: str = "epoch-time") -> Optional[tuple]:
-    keys = list(frame.index)
+                   warnings: list[str], metric: str = "epoch-time") -> Optional[GroupKey]:
+    keys = _keys(frame)
     if baseline is None:
-        ok = [k for k in keys if stats.is_ok(frame.loc[k, "status"]) and frame.loc[k, "ok_repeats"] > 0]
+        ok = [k for k in keys if summary.is_ok(frame.loc[k.index, "status"]) and frame.loc[k.index, "ok_repeats"] > 0]
         if metric == TTA:  # a baseline that never reached the target would leave every ratio n/a
-            ok = [k for k in ok if frame.loc[k, "tta_reached"] > 0] or ok
+            ok = [k for k in ok if frame.loc[k.index, "tta_reached"] > 0] or ok
         return min(ok, key=_preference) if ok else None
-    found = sorted((k for k in keys if _matches(k, baseline)), key=_preference)
+    found = sorted((k for k in keys if k.matches(baseline)), key=_preference)
     if not found:
         warnings.append(f"{where}: no {baseline} results, so no ratios there")
         return None
     base = found[0]
+    row = frame.loc[base.index]
     if len(found) > 1:
-        warnings.append(f"{where}: {baseline} ran in several modes; the baseline is {label(*base[2:])}")
-    row = frame.loc[base]
+        warnings.append(f"{where}: {baseline} ran in several modes or precisions; the baseline is {row['label']}")
     if row["ok_repeats"] == 0:
-        warnings.append(f"{where}: the baseline {label(*base[2:])} has no ok repeat ({row['status']}), "
+        warnings.append(f"{where}: the baseline {row['label']} has no ok repeat ({row['status']}), "
                         "so no ratios there")
         return None
-    if not stats.is_ok(row["status"]):
-        warnings.append(f"{where}: the baseline {label(*base[2:])} is {row['status']} ({row['failed']}); "
+    if not summary.is_ok(row["status"]):
+        warnings.append(f"{where}: the baseline {row['label']} is {row['status']} ({row['failed']}); "
                         f"ratios use its {row['ok_repeats']} ok repeat(s)")
     if metric == TTA and row["tta_reached"] == 0 and not row["inference_only"]:
-        warnings.append(f"{where}: the baseline {label(*base[2:])} never reached the target accuracy, "
+        warnings.append(f"{where}: the baseline {row['label']} never reached the target accuracy, "
                         "so no time-to-accuracy ratios there")
     return base
 
 
-def _context_name(ctx: tuple) -> str:
-    return f"{ctx[0]} on {ctx[1]}"
+def _verdict(r: Optional[stats.Ratio], key: GroupKey, base: Optional[GroupKey], row: pd.Series,
+             missed: bool) -> tuple[str, str]:
+    """(verdict, text) of one group against the baseline."""
+    if key == base:
+        return "baseline", "baseline"
+    if not summary.is_ok(row["status"]):
+        return (f"not ranked ({row['status']})",) * 2
+    if missed:
+        return NOT_REACHED, NOT_REACHED
+    if r is None:
+        return "n/a", "n/a"
+    return r.verdict, tables.ratio_text(r)
 
 
-def rank(summary: stats.Summary, baseline: Optional[str] = None,
+def rank(summary_: summary.Summary, baseline: Optional[str] = None,
          metric: str = "epoch-time") -> tuple[pd.DataFrame, list[str]]:
     """Add ratios to the baseline, verdicts and the fastest correct group per experiment and device.
 
@@ -149,11 +152,11 @@ def rank(summary: stats.Summary, baseline: Optional[str] = None,
     under ``time-to-accuracy`` an ok group none of whose repeats reached the target is
     ``not ranked (target not reached)``. Raises ResultsError when the named baseline ran nowhere.
     """
-    groups = summary.groups.copy()
-    keys = list(groups.index)
-    if baseline is not None and not any(_matches(k, baseline) for k in keys):
+    groups = summary_.groups.copy()
+    keys = _keys(groups)
+    if baseline is not None and not any(k.matches(baseline) for k in keys):
         raise ResultsError(f"unknown baseline backend {baseline!r}; backends in these results: "
-                           + ", ".join(sorted({label(k[2], k[3]) for k in keys})))
+                           + ", ".join(sorted({k.label() for k in keys})))
     warnings: list[str] = []
     new: dict[str, list] = {c: [] for c in ["baseline", "fastest_train", "fastest_infer"]}
     measures = _metrics(metric)
@@ -162,30 +165,20 @@ def rank(summary: stats.Summary, baseline: Optional[str] = None,
             new[f"{prefix}_{c}"] = []
     order = []
     contexts = sorted(groups.groupby(CONTEXT_KEYS, sort=False),
-                      key=lambda item: tuple(stats.natural_key(part) for part in item[0]))
+                      key=lambda item: tuple(summary.natural_key(part) for part in item[0]))
     for ctx, frame in contexts:
-        base = _pick_baseline(frame, baseline, _context_name(ctx), warnings, metric)
+        base = _pick_baseline(frame, baseline, experiments.context_name(ctx), warnings, metric)
         fastest = {p: _fastest(frame, col) for p, col in measures}
-        for key in frame.index:
-            order.append(key)
-            ok = stats.is_ok(groups.loc[key, "status"])
-            new["baseline"].append(label(*base[2:]) if base else "")
-            missed = (metric == TTA and groups.loc[key, "tta_reached"] == 0
-                      and groups.loc[key, "tta_missed"] > 0)
+        for key in _keys(frame):
+            order.append(key.index)
+            row = groups.loc[key.index]
+            new["baseline"].append(groups.loc[base.index, "label"] if base else "")
+            missed = metric == TTA and row["tta_reached"] == 0 and row["tta_missed"] > 0
             for prefix, col in measures:
                 new[f"fastest_{prefix}"].append(key == fastest[prefix])
-                r = (stats.compare_times(summary.samples(base, col), summary.samples(key, col))
-                     if base is not None and key != base and ok else None)
-                if key == base:
-                    verdict = text = "baseline"
-                elif not ok:
-                    verdict = text = f"not ranked ({groups.loc[key, 'status']})"
-                elif prefix == "train" and missed:
-                    verdict = text = NOT_REACHED
-                elif r is None:
-                    verdict = text = "n/a"
-                else:
-                    verdict, text = r.verdict, r.text
+                r = (stats.compare_times(summary_.samples(base, col), summary_.samples(key, col))
+                     if base is not None and key != base and summary.is_ok(row["status"]) else None)
+                verdict, text = _verdict(r, key, base, row, prefix == "train" and missed)
                 new[f"{prefix}_ratio"].append(r.ratio if r else math.nan)
                 new[f"{prefix}_ratio_low"].append(r.low if r else math.nan)
                 new[f"{prefix}_ratio_high"].append(r.high if r else math.nan)
@@ -198,16 +191,22 @@ def rank(summary: stats.Summary, baseline: Optional[str] = None,
     return groups, warnings
 
 
-def _fastest(frame: pd.DataFrame, col: str) -> Optional[tuple]:
+def _fastest(frame: pd.DataFrame, col: str) -> Optional[GroupKey]:
     """The fastest group among the correct ones (every repeat ``ok``), or None."""
     ok = frame[(frame["status"] == "ok") & frame[col].notna()]
-    return ok[col].idxmin() if len(ok) else None
+    return GroupKey.of(ok[col].idxmin()) if len(ok) else None
+
+
+def group_name(groups: pd.DataFrame, index: tuple) -> str:
+    """``mnist/cpu/torch`` (``mnist (limit 1024)/cpu/torch``): how warnings name a group."""
+    key = GroupKey.of(index)
+    return f"{key.experiment}/{key.device}/{groups.loc[index, 'label']}"
 
 
 def _names(groups: pd.DataFrame, mask: pd.Series, detail: Optional[pd.Series] = None) -> str:
     items = []
-    for key in groups.index[mask.to_numpy()]:
-        items.append(group_name(key) + (f" ({detail[key]})" if detail is not None else ""))
+    for index in groups.index[mask.to_numpy()]:
+        items.append(group_name(groups, index) + (f" ({detail[index]})" if detail is not None else ""))
     return ", ".join(items)
 
 
@@ -278,7 +277,7 @@ def environment_warnings(df: pd.DataFrame) -> list[str]:
     hosts = known.groupby(GROUP_KEYS, sort=True)["host"].nunique()
     for key in hosts.index[hosts > 1]:
         sub = known[(known[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
-        out.append(f"{group_name(key)}: its repeats ran on different hosts, so its timings mix machines: "
+        out.append(f"{GroupKey.of(key)}: its repeats ran on different hosts, so its timings mix machines: "
                    + _values_by_source(sub, "host"))
     defs = env[["workload", "experiment", "source"]].drop_duplicates()
     for workload, sub in defs.groupby("workload", sort=True):
@@ -291,12 +290,13 @@ def environment_warnings(df: pd.DataFrame) -> list[str]:
 
 def _status_warnings(groups: pd.DataFrame) -> list[str]:
     bad = groups[(groups["status"] != "ok") & (groups["message"] != "")]
-    return [f"{group_name(k)}: {row.status}: {tables.short_message(row.message)}" for k, row in bad.iterrows()]
+    return [f"{group_name(groups, k)}: {row.status}: {tables.short_message(row.message)}"
+            for k, row in bad.iterrows()]
 
 
 def _is_candidate(key: tuple, row: pd.Series, candidate: tuple[str, ...]) -> bool:
     if candidate:
-        return any(_matches(key, c) for c in candidate)
+        return any(GroupKey.of(key).matches(c) for c in candidate)
     return row["baseline"] != "" and row["train_verdict"] != "baseline"
 
 
@@ -314,14 +314,14 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
     for key, row in groups.iterrows():
         if not _is_candidate(key, row, candidate) or row["train_verdict"] == "baseline":
             continue
-        if not stats.is_ok(row["status"]):
+        if not summary.is_ok(row["status"]):
             detail = row["failed"] or row["status"]
-            out.append(f"candidate failed: {group_name(key)} is {row['status']} ({detail}), so it cannot pass "
+            out.append(f"candidate failed: {group_name(groups, key)} is {row['status']} ({detail}), so it cannot pass "
                        "--fail-on-regression")
             code = EXIT_CANDIDATE_FAILED
             continue
         if row["train_verdict"] == NOT_REACHED:
-            out.append(f"candidate failed: {group_name(key)} never reached the target accuracy "
+            out.append(f"candidate failed: {group_name(groups, key)} never reached the target accuracy "
                        f"({row['tta_missed']} repeat(s)), so it cannot pass --fail-on-regression")
             code = EXIT_CANDIDATE_FAILED
             continue
@@ -331,11 +331,11 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
             if not ratio > 0 or 1 / ratio <= factor:
                 continue
             if row[f"{prefix}_verdict"] == "slower":
-                out.append(f"regression: {group_name(key)} {what} is {1 / ratio:.2f}x slower than "
+                out.append(f"regression: {group_name(groups, key)} {what} is {1 / ratio:.2f}x slower than "
                            f"{row['baseline']} (limit {factor:g}x; {row[f'{prefix}_text']})")
                 code = code or EXIT_REGRESSION
             else:
-                out.append(f"possible regression, not significant: {group_name(key)} {what} is "
+                out.append(f"possible regression, not significant: {group_name(groups, key)} {what} is "
                            f"{1 / ratio:.2f}x slower than {row['baseline']} (limit {factor:g}x; "
                            f"{row[f'{prefix}_text']})")
     return out, code
@@ -367,14 +367,14 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
         raise ResultsError(f"the regression factor must be at least 1; got {fail_on_regression!r}")
     _check_measured(df)
     _check_metric(metric, df)
-    df = stats.with_experiment(df)
-    summary = stats.summarize(df)
-    keys = list(summary.groups.index)
+    df = experiments.with_experiment(df)
+    reduced = summary.summarize(df)
+    keys = _keys(reduced.groups)
     for name in candidate:
-        if not any(_matches(k, name) for k in keys):
+        if not any(k.matches(name) for k in keys):
             raise ResultsError(f"unknown candidate backend {name!r}; backends in these results: "
-                               + ", ".join(sorted({label(k[2], k[3]) for k in keys})))
-    groups, warnings = rank(summary, baseline, metric)
+                               + ", ".join(sorted({k.label() for k in keys})))
+    groups, warnings = rank(reduced, baseline, metric)
     warnings = (notes + warnings + stability_warnings(groups, metric) + environment_warnings(df)
                 + _status_warnings(groups))
     found, code = (regressions(groups, candidate, fail_on_regression, metric) if fail_on_regression is not None
@@ -390,7 +390,7 @@ def _check_format(fmt: str) -> None:
 def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate: tuple[str, ...] = (),
                   fmt: str = "table", fail_on_regression: Optional[float] = None,
                   notes: Optional[list[str]] = None, metric: str = "epoch-time") -> CompareOutcome:
-    """Compare results already read (``results.read_many``, best through ``results.for_comparison``),
+    """Compare results already read (``results.read_many``, best through ``experiments.for_comparison``),
     e.g. right after a run; see :func:`run_compare` for the arguments."""
     _check_format(fmt)
     groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []),
@@ -417,7 +417,7 @@ def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tup
     _check_format(fmt)
     _check_metric(metric)
     df, skipped = results.read_many(_expand(list(paths)), skip_bad=skip_bad)
-    df = results.for_comparison(df)
+    df = experiments.for_comparison(df)
     notes = [f"skipped {msg}" for msg in skipped]
     return compare_frame(df, baseline=baseline, candidate=candidate, fmt=fmt,
                          fail_on_regression=fail_on_regression, notes=notes, metric=metric)

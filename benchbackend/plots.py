@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import numpy as np
 import pandas as pd
 
-from . import stats
+from . import summary as summaries
 from .errors import ResultsError
-from .stats import CI_LABEL, CONTEXT_KEYS, GROUP_KEYS, REPEAT_KEYS, label
+from .experiments import CONTEXT_KEYS, GROUP_KEYS, LABEL_NAMES, REPEAT_KEYS, context_name, text, with_experiment
+from .stats import CI_LABEL
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -38,13 +39,16 @@ DPI = 120
 _TITLE_CHARS_PER_INCH = 11
 
 
-def _label(key: tuple) -> str:
-    return label(key[2], key[3])
+def _color(name: str) -> str:
+    """The colour of one group label, the same in every figure and every report (not its position
+    among the groups drawn): from the label's own digest. No red or grey: they mean failed."""
+    import zlib
+
+    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
 
 
 def _colors(labels: list[str]) -> dict[str, Any]:
-    """One colour per backend label, the same in every figure (no red or grey: they mean failed)."""
-    return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(sorted(set(labels)))}
+    return {name: _color(name) for name in set(labels)}
 
 
 def _styles(labels: list[str]) -> dict[str, dict[str, Any]]:
@@ -77,8 +81,8 @@ def _mark_failed_ticks(ax: "Axes", statuses: list[str]) -> None:
             tick.set_color(FAILED_COLOR)
 
 
-def _tick_labels(keys: list[tuple], statuses: list[str]) -> list[str]:
-    return [_label(k) + ("" if s == "ok" else f"\n[{s}]") for k, s in zip(keys, statuses)]
+def _tick_labels(names: list[str], statuses: list[str]) -> list[str]:
+    return [name + ("" if s == "ok" else f"\n[{s}]") for name, s in zip(names, statuses)]
 
 
 def _interval_note(kinds: Iterable[str]) -> str:
@@ -97,21 +101,20 @@ def _bars(ax: "Axes", groups: pd.DataFrame, value: str, low: str, high: str, uni
     """Bars of ``value`` per group with [low, high] error bars; the value (and its line of
     ``notes``, if any) is written above the bar's error bar, never on it; failed groups hatched grey
     with a red label."""
-    keys, statuses = list(groups.index), list(groups["status"])
-    colors = _colors([_label(k) for k in keys])
-    x = np.arange(len(keys))
+    names, statuses = list(groups["label"]), list(groups["status"])
+    x = np.arange(len(names))
     med = groups[value].to_numpy(dtype=float)
     lo = groups[low].to_numpy(dtype=float)
     hi = groups[high].to_numpy(dtype=float)
     below = np.nan_to_num(med - lo, nan=0.0).clip(min=0)
     above = np.nan_to_num(hi - med, nan=0.0).clip(min=0)
     ok = np.array([s == "ok" for s in statuses])
-    face = [colors[_label(k)] if good else "#d0d0d0" for k, good in zip(keys, ok)]
+    face = [_color(name) if good else "#d0d0d0" for name, good in zip(names, ok)]
     bars = ax.bar(x, np.nan_to_num(med, nan=0.0), color=face,
                   edgecolor=["black" if good else FAILED_COLOR for good in ok], yerr=np.vstack([below, above]),
                   capsize=5, error_kw={"elinewidth": 1.2, "ecolor": "black"})
     tops = np.where(np.isfinite(med), np.nan_to_num(med, nan=0.0) + above, 0.0)
-    for bar, good, v, status, top, note in zip(bars, ok, med, statuses, tops, notes or [""] * len(keys)):
+    for bar, good, v, status, top, note in zip(bars, ok, med, statuses, tops, notes or [""] * len(names)):
         if not good:
             bar.set_hatch("//")
         if math.isfinite(v):
@@ -120,7 +123,7 @@ def _bars(ax: "Axes", groups: pd.DataFrame, value: str, low: str, high: str, uni
             text = f"no time\n({status})" if not good else "n/a"
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, top), xytext=(0, 6), textcoords="offset points",
                     ha="center", va="bottom", fontsize=9, color="black" if good else FAILED_COLOR)
-    ax.set_xticks(x, _tick_labels(keys, statuses))
+    ax.set_xticks(x, _tick_labels(names, statuses))
     _mark_failed_ticks(ax, statuses)
     top = float(np.nanmax(tops)) if len(tops) and np.nanmax(tops) > 0 else 1.0
     ax.set_ylim(0, top * 1.22)
@@ -130,7 +133,7 @@ def _bars(ax: "Axes", groups: pd.DataFrame, value: str, low: str, high: str, uni
 def epoch_time_figure(groups: pd.DataFrame, title: str) -> "Figure":
     """Bars of the steady epoch time per backend (median over ok repeats) with its interval.
 
-    ``groups``: the rows of ``stats.summarize(df).groups`` for one experiment and device (the
+    ``groups``: the rows of ``summary.summarize(df).groups`` for one experiment and device (the
     training ones). Failed backends get hatched grey bars and a red label; those without a time a
     note. When no backend has a steady time (single-epoch runs), the first-epoch time is drawn.
     """
@@ -192,28 +195,22 @@ def throughput_figure(groups: pd.DataFrame, title: str) -> "Figure":
 
 
 #: The two phases of a batch-size sweep: (stem part, definition field, throughput, interval, MFU, what).
-_SWEEP_PHASES = (("train", "batch", "samples_per_s", "sps", "mfu", "training"),
-                 ("inference", "infer_batch", "infer_sps", "infer_sps", "infer_mfu", "inference"))
+_SWEEP_PHASES = (("train", "batch_size", "samples_per_s", "sps", "mfu", "training"),
+                 ("inference", "inference_batch_size", "infer_sps", "infer_sps", "infer_mfu", "inference"))
 
 
 def _sweeps(groups: pd.DataFrame) -> list[tuple[tuple, str, pd.DataFrame]]:
     """Groups of one workload name, device and definition but for the batch sizes, where the
-    definitions hold several batch sizes: (key, what the fixed definition is, groups with
-    ``batch`` and ``infer_batch`` columns)."""
-    from .results import definition_fields
-
-    fields = [definition_fields(d) for d in groups["definition"]]
-    frame = groups.assign(batch=[pd.to_numeric(f.get("batch"), errors="coerce") for f in fields],
-                          infer_batch=[pd.to_numeric(f.get("infer_batch", f.get("batch")), errors="coerce")
-                                       for f in fields],
-                          rest=[" ".join(f"{k}={v}" for k, v in f.items() if k not in ("batch", "infer_batch"))
-                                for f in fields])
-    frame = frame[frame["batch"].notna()]
+    definitions hold several batch sizes: (key, what the fixed definition is, groups)."""
+    fixed = ["limit", "epochs", "seed", "data_source"]
+    frame = groups[groups["batch_size"].notna()]
+    rest = frame[fixed].map(text).agg(" ".join, axis=1) if len(frame) else pd.Series(dtype=str)
     device = frame.index.get_level_values("device")
     out = []
-    for key, sub in frame.groupby([frame["workload"], device, frame["rest"]], sort=True):
-        if sub["batch"].nunique() > 1 or sub["infer_batch"].nunique() > 1:
-            out.append((key, key[2], sub))
+    for key, sub in frame.groupby([frame["workload"], device, rest], sort=True):
+        if sub["batch_size"].nunique() > 1 or sub["inference_batch_size"].nunique() > 1:
+            what = ", ".join(f"{LABEL_NAMES[c]} {v}" for c, v in zip(fixed, key[2].split(" ")) if v not in ("", "nan"))
+            out.append((key, what, sub))
     return out
 
 
@@ -223,11 +220,11 @@ def batch_size_figure(groups: pd.DataFrame, title: str, phase: str = "train") ->
     when every point shares one peak, else each point labelled with its MFU. A batch size whose
     group is not ok is a red x with its status, off the line.
 
-    ``groups``: ``stats.summarize(df).groups`` rows of one workload, device and definition but for
+    ``groups``: ``summary.summarize(df).groups`` rows of one workload, device and definition but for
     the batch size, with ``batch`` and ``infer_batch`` columns (see :func:`_sweeps`)."""
     _, field, rate, interval, mfu, what = next(p for p in _SWEEP_PHASES if p[0] == phase)
     fig, (ax,) = _figure(7.5, 4.6)
-    labels = [_label(k) for k in groups.index]
+    labels = list(groups["label"])
     styles = _styles(labels)
     scale = mfu_scale(groups, rate, mfu)
     sizes = sorted({int(b) for b in groups[field].dropna()})
@@ -277,25 +274,27 @@ def _per_epoch(train: pd.DataFrame, col: str) -> pd.DataFrame:
     return values.groupby(train["epoch"]).agg(["mean", "min", "max"])
 
 
-def curves_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str) -> "Figure":
+def curves_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str) -> "Figure":
     """Training loss and validation accuracy per epoch per backend: mean over repeats with a
     min-max band. ``df``: train_epoch rows of one experiment and device. Each backend has its own
     colour, marker and line style (backends that agree draw identical curves: the hollow markers
     of decreasing size keep each visible); failed backends are dotted and labelled with their
-    status, and a red x marks where their loss stopped being finite."""
-    df = stats.with_experiment(df)
+    status, and a red x marks where their loss stopped being finite. ``groups``: the summary rows
+    of those groups (``summary.summarize(df).groups``): their status and label."""
+    df = with_experiment(df)
     keys = sorted({tuple(k) for k in df[GROUP_KEYS].itertuples(index=False)})
-    styles = _styles([_label(k) for k in keys])
+    names, statuses = groups["label"].to_dict(), groups["status"].to_dict()
+    styles = _styles([names[k] for k in keys])
     fig, (loss_ax, acc_ax) = _figure(10.0, 4.4, ncols=2)
     by_group = dict(list(df.groupby(GROUP_KEYS, sort=True)))
     marked = False
     for key in keys:
         train, status = by_group[key], statuses.get(key, "ok")
-        look = styles[_label(key)]
+        look = styles[names[key]]
         style = {"color": look["color"], "marker": look["marker"], "markersize": look["markersize"],
                  "markerfacecolor": "none", "markeredgewidth": 1.4, "linewidth": 1.6,
                  "linestyle": look["linestyle"] if status == "ok" else FAILED_LINESTYLE}
-        name = _label(key) + ("" if status == "ok" else f" [{status}]")
+        name = names[key] + ("" if status == "ok" else f" [{status}]")
         for ax, col in ((loss_ax, "loss"), (acc_ax, "val_accuracy")):
             agg = _per_epoch(train, col)
             ax.plot(agg.index, agg["mean"], label=name if ax is loss_ax else None, **style)
@@ -329,20 +328,21 @@ def curves_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str) -> "
     return fig
 
 
-def inference_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str,
+def inference_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str,
                      samples: Optional[float] = None) -> "Figure":
     """Box plot (with every pass as a point) of the steady inference time per backend: passes
     after each repeat's first; the first pass (tracing, compilation, first copies) is written
     above each box instead, so that it does not squash the scale.
 
     ``df``: inference rows of one experiment and device (of the repeats that count); ``samples``:
-    the samples in one pass, said in the title. Failed backends are hatched and red."""
-    df = stats.with_experiment(df)
-    keys = sorted(statuses)
-    colors = _colors([_label(k) for k in keys])
+    the samples in one pass, said in the title. Failed backends are hatched and red. ``groups``:
+    the summary rows of those groups (their status and label)."""
+    df = with_experiment(df)
+    keys = sorted(groups.index)
+    names, statuses = groups["label"].to_dict(), groups["status"].to_dict()
     width = max(5.0, 1.3 * len(keys) + 2)
     fig, (ax,) = _figure(width, 4.4)
-    steady = stats.steady_inference(df)
+    steady = summaries.steady_inference(df)
     by_group = {k: g["seconds"].dropna().to_numpy() for k, g in steady.groupby(GROUP_KEYS, sort=True)}
     firsts = df[(df["phase"] == "inference") & (df["epoch"] == 1)].groupby(GROUP_KEYS)["seconds"].median()
     data = [by_group.get(k, np.array([])) for k in keys]
@@ -354,7 +354,7 @@ def inference_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str,
     for i, (key, values, status) in enumerate(zip(keys, data, st)):
         patch = box["boxes"][i]
         good = status == "ok"
-        patch.set_facecolor(colors[_label(key)] if good else "#d0d0d0")
+        patch.set_facecolor(_color(names[key]) if good else "#d0d0d0")
         patch.set_alpha(0.6)
         if not good:
             patch.set_hatch("//")
@@ -368,7 +368,7 @@ def inference_figure(df: pd.DataFrame, statuses: dict[tuple, str], title: str,
         if note:
             ax.annotate(note, (i, tops[i]), xytext=(0, 6), textcoords="offset points", ha="center",
                         va="bottom", fontsize=8, color="dimgray" if good else FAILED_COLOR)
-    ax.set_xticks(np.arange(len(keys)), _tick_labels(keys, st))
+    ax.set_xticks(np.arange(len(keys)), _tick_labels([names[k] for k in keys], st))
     _mark_failed_ticks(ax, st)
     ax.set_ylim(0, (max(tops) if tops and max(tops) > 0 else 1.0) * 1.3)
     per = f"{samples:,.0f} samples" if samples and math.isfinite(samples) else "one"
@@ -383,27 +383,26 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
 
 
-def _timed_rows(df: pd.DataFrame, summary: stats.Summary) -> pd.DataFrame:
-    """The rows of the repeats that feed the timings (see ``stats.timed_repeats``)."""
+def _timed_rows(df: pd.DataFrame, summary: summaries.Summary) -> pd.DataFrame:
+    """The rows of the repeats that feed the timings (see ``summary.timed_repeats``)."""
     timed = summary.repeats.index[summary.repeats["timed"].to_numpy()]
     return df[df.set_index(GROUP_KEYS + REPEAT_KEYS).index.isin(timed)]
 
 
 def figures(df: pd.DataFrame) -> list[tuple[str, "Figure"]]:
     """Every figure for a results frame, as (file stem, figure), per experiment and device."""
-    df = stats.with_experiment(df)
-    summary = stats.summarize(df)
+    df = with_experiment(df)
+    summary = summaries.summarize(df)
     groups = summary.groups
     timed = _timed_rows(df, summary)
     out = []
     contexts = sorted(groups.groupby(CONTEXT_KEYS, sort=False),
-                      key=lambda item: tuple(stats.natural_key(part) for part in item[0]))
+                      key=lambda item: tuple(summaries.natural_key(part) for part in item[0]))
     for ctx, frame in contexts:
-        where = f"{ctx[0]} on {ctx[1]}"
+        where = context_name(ctx)
         stem = f"{_slug(ctx[0])}-{_slug(ctx[1])}"
         in_ctx = (df["experiment"] == ctx[0]) & (df["device"] == ctx[1])
         rows = df[in_ctx]
-        statuses = dict(zip(frame.index, frame["status"]))
         train = rows[rows["phase"] == "train_epoch"]
         infer = timed[(timed["experiment"] == ctx[0]) & (timed["device"] == ctx[1]) & (timed["phase"] == "inference")]
         trains = frame[~frame["inference_only"].astype(bool)]
@@ -411,10 +410,10 @@ def figures(df: pd.DataFrame) -> list[tuple[str, "Figure"]]:
             out.append((f"{stem}-epoch-time", epoch_time_figure(trains, where)))
             if trains["samples_per_s"].notna().any():
                 out.append((f"{stem}-throughput", throughput_figure(trains, where)))
-            out.append((f"{stem}-curves", curves_figure(train, statuses, where)))
+            out.append((f"{stem}-curves", curves_figure(train, frame, where)))
         if len(rows[rows["phase"] == "inference"]):
             samples = frame["infer_samples"].max()
-            out.append((f"{stem}-inference", inference_figure(infer, statuses, where, samples)))
+            out.append((f"{stem}-inference", inference_figure(infer, frame, where, samples)))
     return out + sweep_figures(groups)
 
 
@@ -434,9 +433,9 @@ def sweep_figures(groups: pd.DataFrame) -> list[tuple[str, "Figure"]]:
         title = f"{workload} on {device}" + (f" ({rest})" if several else "")
         stem = f"{_slug(workload)}-{_slug(device)}-batch" + (f"-{seen[key[:2]]}" if several else "")
         trains = sub[~sub["inference_only"].astype(bool)]
-        if trains["samples_per_s"].notna().any() and trains["batch"].nunique() > 1:
+        if trains["samples_per_s"].notna().any() and trains["batch_size"].nunique() > 1:
             out.append((f"{stem}-train", batch_size_figure(trains, title, "train")))
-        if sub["infer_sps"].notna().any() and sub["infer_batch"].nunique() > 1:
+        if sub["infer_sps"].notna().any() and sub["inference_batch_size"].nunique() > 1:
             out.append((f"{stem}-inference", batch_size_figure(sub, title, "inference")))
     return out
 
@@ -447,10 +446,11 @@ _ENV_COLUMNS = (("backend_version", "version"), ("host", "host"), ("cpu", "CPU")
 
 def environment_table(df: pd.DataFrame) -> list[list[str]]:
     """One row per backend label: its versions, hosts, CPUs, threads (each distinct value)."""
-    df = stats.with_experiment(df)
+    df = with_experiment(df)
     rows = []
-    for (backend, mode), sub in df.groupby(["backend", "mode"], sort=True):
-        cells = [label(backend, mode), ", ".join(sorted({str(d) for d in sub["device"] if d != ""}))]
+    for (backend, mode, precision), sub in df.groupby(["backend", "mode", "precision"], sort=True):
+        name = f"{backend}:{mode}" + (f"@{precision}" if precision != "fp32" else "")
+        cells = [name, ", ".join(sorted({str(d) for d in sub["device"] if d != ""}))]
         for col, _ in _ENV_COLUMNS:
             if col not in sub.columns:
                 cells.append("")

@@ -8,7 +8,10 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from .stats import CI_LABEL, CONTEXT_KEYS, METRICS, RANGE_LABEL, TTA, label
+from .experiments import CONTEXT_KEYS, context_name
+from .peaks import TRAIN_FLOPS_FACTOR
+from .stats import CI_LABEL, RANGE_LABEL, Ratio
+from .summary import METRICS, TTA
 
 
 def short_message(message: str, width: int = 160) -> str:
@@ -73,8 +76,36 @@ def repeats_cell(row: pd.Series, tta: bool = False) -> str:
     return f"{row.ok_repeats} ok + {row.failed}"
 
 
-def _label(key: tuple) -> str:
-    return label(key[2], key[3])
+def _fixed(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits in plain notation (never ``1.14e+03``)."""
+    if not math.isfinite(x) or x == 0:
+        return f"{x:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:.{decimals}f}"
+
+
+def _bounds(ratio: float, low: float, high: float) -> tuple[str, str, str]:
+    """Ratio and bounds printed with enough digits that the printed bounds stay on their side of 1
+    and the printed ratio between them (3 significant digits unless that would blur it)."""
+    for digits in range(3, 9):
+        r, lo, hi = (_fixed(v, digits) for v in (ratio, low, high))
+        fr, flo, fhi = float(r), float(lo), float(hi)
+        same_side = (low > 1) == (flo > 1) and (high < 1) == (fhi < 1)
+        if same_side and flo <= fr <= fhi:
+            break
+    return r, lo, hi
+
+
+def ratio_text(r: Ratio) -> str:
+    """``faster: 1.85x [1.60-2.10]``: the verdict, the speed-up and its 95% interval, all from
+    one rule, so that a verdict and its interval always point the same way."""
+    verdict = r.verdict
+    if verdict == "n/a":
+        return verdict
+    if not r.testable:
+        return f"{verdict}: {_fixed(r.ratio)}x"
+    ratio, low, high = _bounds(r.ratio, r.low, r.high)
+    return f"{verdict}: {ratio}x [{low}-{high}]"
 
 
 def convention(baseline: str = "baseline", metric: str = "epoch-time") -> str:
@@ -107,8 +138,8 @@ def _train_rows(frame: pd.DataFrame, metric: str = "epoch-time") -> tuple[list[s
     head += ["time to acc s", ci_head, "steady s"] if tta else ["1st epoch s", "steady s", ci_head]
     head += ["samples/s"] + (["MFU"] if mfu else []) + ["val acc", "parity err", f"vs {base}"]
     rows = []
-    for k, r in frame.iterrows():
-        row = ["*" if r.fastest_train else "", _label(k), r.status, repeats_cell(r, tta)]
+    for _, r in frame.iterrows():
+        row = ["*" if r.fastest_train else "", r.label, r.status, repeats_cell(r, tta)]
         row += ([_num(r.tta_s), _interval(r, "tta", mixed), _num(r.steady_s)] if tta else
                 [_num(r.first_s), _num(r.steady_s), _interval(r, "steady", mixed)])
         row += [_num(r.samples_per_s, ",.0f")] + ([_pct(r.mfu)] if mfu else [])
@@ -123,10 +154,10 @@ def _infer_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     mfu = _shows_mfu(frame, "infer")
     head = ["", "backend", "status", "repeats", "1st pass s", "median s", "spread", ci_head]
     head += (["MFU"] if mfu else []) + [f"vs {base}"]
-    rows = [["*" if r.fastest_infer else "", _label(k), r.status, repeats_cell(r), _num(r.infer_first_s),
+    rows = [["*" if r.fastest_infer else "", r.label, r.status, repeats_cell(r), _num(r.infer_first_s),
              _num(r.infer_s), _spread(r.infer_spread), _interval(r, "infer", mixed)]
             + ([_pct(r.infer_mfu)] if mfu else []) + [vs_cell(r, "infer")]
-            for k, r in frame.iterrows()]
+            for _, r in frame.iterrows()]
     return head, rows
 
 
@@ -136,8 +167,8 @@ def mfu_line(frame: pd.DataFrame) -> str:
     measured = frame[frame["achieved_flops"].notna() | frame["infer_achieved_flops"].notna()]
     if measured.empty:
         return ""
-    peaks = {_label(k): p for k, p in measured["peak"].items() if p}
-    missing = [_label(k) for k, p in measured["peak"].items() if not p]
+    peaks = {name: p for name, p in zip(measured["label"], measured["peak"]) if p}
+    missing = [name for name, p in zip(measured["label"], measured["peak"]) if not p]
     parts = []
     if len(set(peaks.values())) == 1:
         parts.append(f"MFU = achieved FLOP/s / a peak of {next(iter(peaks.values()))}")
@@ -147,7 +178,7 @@ def mfu_line(frame: pd.DataFrame) -> str:
     if missing:
         parts.append(f"MFU n/a for {', '.join(missing)}: no peak known (give --peak-tflops)")
     if peaks:
-        parts.append("a training sample counts 3x its forward FLOPs")
+        parts.append(f"a training sample counts {TRAIN_FLOPS_FACTOR}x its forward FLOPs")
     return "; ".join(parts)
 
 
@@ -162,14 +193,14 @@ def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time") -> str:
         if best.empty:
             parts.append(f"{what} none (no backend passed its checks)")
         else:
-            key, row = best.index[0], best.iloc[0]
+            row = best.iloc[0]
             verdict = row[f"{prefix}_verdict"]
             how = "" if verdict in ("baseline", "n/a") else f"; vs {row['baseline']}: {row[f'{prefix}_text']}"
-            parts.append(f"{what} {_label(key)} ({_num(row[col])} s{how})")
+            parts.append(f"{what} {row['label']} ({_num(row[col])} s{how})")
         quickest = timed[col].idxmin()
         if timed.loc[quickest, "status"] != "ok":
-            notes.append(f"{_label(quickest)} was quicker in {what} but is {timed.loc[quickest, 'status']}, "
-                         "so it is not ranked")
+            row = timed.loc[quickest]
+            notes.append(f"{row['label']} was quicker in {what} but is {row['status']}, so it is not ranked")
     line = "fastest correct (*): " + "; ".join(parts) if parts else "no timings"
     return line + "".join(f"\nnote: {n}" for n in notes)
 
@@ -196,7 +227,7 @@ def _contexts(groups: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     out = []
     for ctx, frame in groups.groupby(CONTEXT_KEYS, sort=False):
         base = frame["baseline"].iloc[0]
-        title = f"{ctx[0]} on {ctx[1]}" + (f" (baseline: {base})" if base else " (no baseline)")
+        title = context_name(ctx) + (f" (baseline: {base})" if base else " (no baseline)")
         out.append((title, _what(frame), frame))
     return out
 
@@ -242,7 +273,6 @@ def _text(groups: pd.DataFrame, table: Callable[[list[str], list[list[str]]], st
 def records(groups: pd.DataFrame) -> list[dict[str, Any]]:
     """One plain dict per group (NaN as None), for csv and json."""
     flat = groups.reset_index()
-    flat.insert(4, "label", [_label(k) for k in groups.index])
     out = []
     for rec in flat.to_dict(orient="records"):
         out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else

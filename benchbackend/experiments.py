@@ -1,0 +1,180 @@
+"""Which rows may be compared: experiments (one definition of a workload) and the group keys within them.
+
+A *definition* is (workload, workload_hash, data_source); the hash covers the model, training
+settings, sizes after ``--limit``, epochs, batch size and seed. Rows of different definitions are
+never pooled. When one workload name has several definitions in the files read, each is labelled
+by the fields that differ (``mnist (limit 1024)``, ``mnist (batch 128)``), read from the
+definition columns (``results.DEFINITION_COLUMNS``), or by its hash when no field tells them apart.
+
+A *group* (:class:`GroupKey`) is one (experiment, device, backend, mode, precision): the unit that
+``compare`` ranks and the figures draw.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import pandas as pd
+
+#: The columns that name a group, in the order of :class:`GroupKey`'s fields.
+GROUP_KEYS = ["experiment", "device", "backend", "mode", "precision"]
+#: The columns that name one comparison (a section of compare's output, a set of figures).
+CONTEXT_KEYS = ["experiment", "device"]
+#: A repeat is one fresh worker process.
+REPEAT_KEYS = ["run_id", "repeat"]
+#: How each definition column is named in an experiment's label.
+LABEL_NAMES = {"limit": "limit", "epochs": "epochs", "batch_size": "batch", "inference_batch_size": "infer_batch",
+                "seed": "seed", "data_source": "data"}
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """One group of results: an experiment on a device, one backend, mode and precision."""
+
+    experiment: str
+    device: str
+    backend: str
+    mode: str
+    precision: str
+
+    @classmethod
+    def of(cls, values: Iterable[Any]) -> "GroupKey":
+        """From a row of the ``GROUP_KEYS`` columns (a frame's index entry)."""
+        return cls(*(str(v) for v in values))
+
+    @property
+    def index(self) -> tuple[str, str, str, str, str]:
+        """The key as a frame's index entry (``GROUP_KEYS`` order)."""
+        return self.experiment, self.device, self.backend, self.mode, self.precision
+
+    @property
+    def context(self) -> tuple[str, str]:
+        return self.experiment, self.device
+
+    def label(self, show_mode: bool = True) -> str:
+        """``torch``, ``torch:compile``, ``torch@bf16``, ``torch:compile@bf16``."""
+        name = self.backend + (f":{self.mode}" if show_mode and self.mode else "")
+        return name + (f"@{self.precision}" if self.precision not in ("", "fp32") else "")
+
+    def __str__(self) -> str:
+        """``mnist/cpu/torch:eager@bf16``: how warnings name a group."""
+        return f"{self.experiment}/{self.device}/{self.label()}"
+
+    def matches(self, name: str) -> bool:
+        """Whether ``BACKEND`` or ``BACKEND:MODE`` (as a user writes it) names this group."""
+        backend, sep, mode = name.partition(":")
+        return self.backend == backend and (not sep or self.mode == mode)
+
+
+def context_name(context: tuple[str, str]) -> str:
+    """``mnist (limit 1024) on cpu``: how sections, figures and warnings name a comparison."""
+    return f"{context[0]} on {context[1]}"
+
+
+def labels(keys: Iterable[GroupKey]) -> dict[GroupKey, str]:
+    """How each group is named: the mode only for a backend seen in several modes (``torch``
+    rather than ``torch:eager`` when eager is all there is)."""
+    keys = list(keys)
+    modes: dict[str, set[str]] = {}
+    for k in keys:
+        modes.setdefault(k.backend, set()).add(k.mode)
+    return {k: k.label(show_mode=len(modes[k.backend]) > 1) for k in keys}
+
+
+def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy shaped for comparing backends: ``experiment`` names one definition (rows are pooled
+    and compared only within one); ``precision`` is ``fp32`` where older files left it empty;
+    ``device`` is what the user asked for (``--device cpu``) where recorded, since backends name
+    one device differently (torch ``cpu``, TensorFlow ``cpu:0``, PlaidML ``llvm_cpu.0``)."""
+    out = df.copy()
+    out["experiment"] = experiments(out)
+    out["precision"] = out["precision"].astype(str).replace("", "fp32")
+    asked = out["requested_device"].astype(str)
+    out["device"] = asked.where(asked != "", out["device"])
+    return out
+
+
+def with_experiment(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` shaped by :func:`for_comparison` unless it already is (plots may be given a frame
+    straight from ``results.read``)."""
+    return df if "experiment" in df.columns else for_comparison(df)
+
+
+def _fill_definition(frame: pd.DataFrame, run: list[pd.Series]) -> pd.DataFrame:
+    """A status row written before anything was known (a worker that died at once) joins the
+    definition of its run in its file, or the workload's only definition."""
+    for col in ("workload_hash", "data_source"):
+        for by in (run, [frame["workload"]]):
+            missing = frame[col] == ""
+            if not missing.any():
+                break
+            known = frame[col].where(~missing)
+            single = known.groupby(by).transform(lambda s: s.dropna().iloc[0] if s.dropna().nunique() == 1 else "")
+            frame[col] = frame[col].where(~missing, single.astype(object).fillna(""))
+    return frame
+
+
+def text(value: Any) -> str:
+    """A definition value as a label shows it: ``1024``, not ``1024.0``; "" when not recorded."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def _fields(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """The readable fields of each definition: its definition columns, else (files before the
+    definition was recorded) the sizes its rows show."""
+    cols = [c for c in LABEL_NAMES if c != "data_source"]
+    recorded = df[keys + cols].copy()
+    recorded[cols] = recorded[cols].map(text)
+    fields = recorded[recorded[cols].ne("").any(axis=1)].groupby(keys, sort=False)[cols].first()
+    train = df[df["phase"] == "train_epoch"].groupby(keys, sort=False)
+    derived = pd.DataFrame({"limit": train["samples"].max(), "epochs": train["epoch"].max()}).map(text)
+    return fields.combine_first(derived).fillna("") if len(fields) else derived
+
+
+def _distinct(workload: str, fields: dict[tuple, dict[str, str]]) -> dict[tuple, str]:
+    """Labels of one workload's several definitions: the fields that differ, else the hash."""
+    recorded = [{k for k, v in got.items() if v} for key, got in fields.items() if key[1]]
+    names = sorted(set.intersection(*recorded)) if recorded else []
+    differ = [f for f in names if len({got.get(f) for got in fields.values()}) > 1]
+    # --batch-size sets both batch sizes: the inference batch is named only when it differs on its own
+    if "batch_size" in differ and all(got.get("inference_batch_size") == got.get("batch_size")
+                                      for got in fields.values()):
+        differ = [f for f in differ if f != "inference_batch_size"]
+    out = {}
+    for key, got in fields.items():
+        parts = [f"{LABEL_NAMES[f]} {got[f]}" for f in differ if got.get(f)]
+        out[key] = (f"{workload} ({', '.join(parts)})" if parts and key[1] else
+                    workload if key[1] else f"{workload} (def unknown)")
+    taken = pd.Series(list(out.values())).value_counts()
+    for key in fields:  # readable fields do not tell these apart: the hash does
+        if taken[out[key]] > 1:
+            tag = f"def {key[1][:6] or 'unknown'}"
+            out[key] = f"{out[key][:-1]}, {tag})" if out[key] != workload else f"{workload} ({tag})"
+    return out
+
+
+def experiments(df: pd.DataFrame) -> pd.Series:
+    """Each row's experiment label: the workload name, qualified by what differs when the rows hold
+    several definitions of one workload name, e.g. ``mnist (limit 1024)`` and ``mnist (limit 2000)``
+    (see the module docstring). Rows of a status with no hash or data source (old files) join the
+    workload's only definition when it has one."""
+    keys = ["workload", "workload_hash", "data_source"]
+    frame = pd.DataFrame({k: df[k].astype(str) for k in keys}, index=df.index)
+    run = [frame["workload"]] + [df[c].astype(str) for c in ("source", "run_id") if c in df.columns]
+    frame = _fill_definition(frame, run)
+    defs = frame.drop_duplicates()
+    counts = defs.groupby("workload")["workload_hash"].transform("size")
+    names = pd.Series(defs["workload"].to_numpy(), index=pd.MultiIndex.from_frame(defs))
+    multi = defs[counts.to_numpy() > 1]
+    if len(multi):
+        fields = _fields(df.assign(**{k: frame[k] for k in keys}), keys)
+        for workload, sub in multi.groupby("workload", sort=False):
+            found = {key: {**(fields.loc[key].to_dict() if key in fields.index else {}), "data_source": key[2]}
+                     for key in sub.itertuples(index=False, name=None)}
+            for key, name in _distinct(workload, found).items():
+                names[key] = name
+    index = pd.MultiIndex.from_frame(frame)
+    return pd.Series(names.reindex(index).to_numpy(), index=df.index, name="experiment")
