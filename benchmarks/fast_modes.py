@@ -6,9 +6,9 @@ out), then timed inference passes (the first left out). Prints the median steady
 the MFU: achieved FLOP/s over the GEMM peak of that precision on this machine (the best that
 either framework's ``gemm_peak`` probe reaches, measured first, each in its own process).
 
-FLOPs: ``model.flops_per_sample`` is the *forward* count (cifar10: 53.2 MFLOP, a multiply-add
-counted as 2); a training step costs about 3x forward (forward, gradient of the activations,
-gradient of the weights), so training uses 3 x 53.2 = 159.6 MFLOP per sample, inference 1x.
+FLOPs: ``model.flops_per_sample`` is the *forward* count (a multiply-add counted as 2); a
+training sample costs ``peaks.TRAIN_FLOPS_FACTOR`` forward passes (forward, gradient of the
+activations, gradient of the weights), an inference sample one.
 
     python benchmarks/fast_modes.py                                 # cifar10, batch 32 and 128
     python benchmarks/fast_modes.py --batch-size 128 --backend torch --limit 8192 --epochs 4
@@ -30,19 +30,20 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchbackend import backends, data  # noqa: E402
 from benchbackend import workload as W  # noqa: E402
-from benchbackend.model import TRAIN_FLOPS_FACTOR, flops_per_sample  # noqa: E402
+from benchbackend.launch import Job  # noqa: E402
+from benchbackend.model import flops_per_sample  # noqa: E402
+from benchbackend.peaks import TRAIN_FLOPS_FACTOR  # noqa: E402
 
 PEAK_CODE = """
 import json, sys
 from benchbackend import workload
-from benchbackend.worker import load_target
-cls = load_target(sys.argv[1])
+from benchbackend.worker import load_class
+cls = load_class(sys.argv[1])
 b = cls(workload.load("mnist"), sys.argv[2], sys.argv[3])
 print(json.dumps({p: b.gemm_peak(p) for p in sys.argv[4:]}))
 """
@@ -65,10 +66,8 @@ def gemm_peaks(spec: backends.BackendSpec, device: str, precisions: list[str]) -
 def run_cell(spec: backends.BackendSpec, workload: W.Workload, mode: str, precision: str, device: str,
              data_path: str) -> tuple[list[dict[str, Any]], Optional[str]]:
     """The rows of one cell, and a reason when it did not run (unavailable, error)."""
-    job = {"workload": workload.to_dict(), "backend": spec.name, "target": spec.target, "mode": mode,
-           "precision": precision, "device": device, "repeat": 0, "data": data_path, "trains": spec.trains,
-           "parity_steps": 0, "options": {}}
-    proc = subprocess.run([sys.executable, "-m", "benchbackend.worker"], input=json.dumps(job),
+    job = Job.for_spec(spec, workload, mode=mode, precision=precision, device=device, repeat=0, data=data_path)
+    proc = subprocess.run([sys.executable, "-m", "benchbackend.worker"], input=job.to_json(),
                           capture_output=True, text=True, env=_env(spec, device), cwd=ROOT)
     rows, why = [], None
     for line in proc.stdout.splitlines():

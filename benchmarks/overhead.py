@@ -3,7 +3,8 @@
 For each backend, one process builds the adapter (as the worker does) and a hand-written model
 and loop in the same framework, on the same arrays, the same sample order and the same initial
 weights, then alternates epochs between the two (adapter, plain, adapter, plain, ...) so drift
-hits both alike. Prints the median steady epoch time of each and the ratio (target: within 3%), the median over --rounds fresh processes.
+hits both alike. Prints the median steady epoch time of each and the ratio (target: within 3%), the
+median over --rounds fresh processes.
 
 The plain JAX loop is what a JAX user writes: one ``jax.jit`` train step, batches sliced from the
 epoch's permuted device arrays in a Python loop. It shares the adapter's layer functions and

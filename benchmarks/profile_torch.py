@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchbackend import data, model, workload  # noqa: E402
+from benchbackend import data, model, peaks, workload  # noqa: E402
 
 GEMM_OPS = ("conv", "mm", "addmm", "matmul", "linear", "bmm")
 
@@ -57,7 +57,7 @@ def main() -> None:
         b.sync()
         wall = time.perf_counter() - t0
     n = len(ds.y_train)
-    flops = model.TRAIN_FLOPS_FACTOR * model.flops_per_sample(w) * n
+    flops = peaks.TRAIN_FLOPS_FACTOR * model.flops_per_sample(w) * n
     print(f"torch {torch.__version__} {args.mode}@{args.precision}, batch {args.batch_size}, {n} samples, "
           f"{torch.get_num_threads()} threads")
     print(f"warm-up epoch {warm:.2f} s; profiled epoch {wall:.2f} s = {n / wall:.0f} samples/s, "

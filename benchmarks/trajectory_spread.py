@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchbackend import backends, data, model, worker, workload  # noqa: E402
+from benchbackend import backends, data, model, workload  # noqa: E402
 from benchbackend.backends import _numpy_ops as ops  # noqa: E402
 from benchbackend.backends import reference  # noqa: E402
 
@@ -78,7 +78,7 @@ def main() -> None:
         runs = {"reference float32": reference.train_losses(w, weights, batches, np.float32)}
         for name in args.backend:
             spec = backends.get(name)
-            adapter = worker.load_target(spec.target)(w, "cpu", spec.default_mode, "fp32", {})
+            adapter = spec.load_class()(w, "cpu", spec.default_mode, "fp32", {})
             adapter.build([np.array(a) for a in weights])
             runs[name] = adapter.train_steps(batches)
         for name, opt in wrong_rules(w).items():

@@ -12,12 +12,48 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def have(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+#: CI sets this: a test that would skip because a framework or an isolated environment is missing
+#: fails instead, so that a failed install cannot pass as a green run. GPU and TPU skips stay skips.
+REQUIRE_ALL = os.environ.get("BENCHBACKEND_REQUIRE_ALL") == "1"
+#: What the reason of every "missing here" skip says (and what REQUIRE_ALL turns into a failure).
+MISSING = ("is not installed", "cannot build the")
 
 
-requires_torch = pytest.mark.skipif(not have("torch"), reason="PyTorch is not installed (pip install 'benchbackend[torch]' torch==2.13.0)")
-requires_tf = pytest.mark.skipif(not have("tensorflow"), reason="TensorFlow is not installed (pip install 'benchbackend[tensorflow]')")
+def have(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def missing(backend: str) -> str:
+    """Why the registry backend ``backend`` cannot run here, with its install command ("" if it can)."""
+    from benchbackend import backends
+
+    spec = backends.get(backend)
+    why = backends.problem(spec)
+    return f"{backend} is not installed here ({why}): {spec.install}" if why else ""
+
+
+def requires(backend: str) -> pytest.MarkDecorator:
+    """Skip unless ``backend`` can run here, saying what is missing and the install command (a
+    failure under BENCHBACKEND_REQUIRE_ALL=1)."""
+    return pytest.mark.skipif(bool(missing(backend)), reason=missing(backend))
+
+
+def backend_params(names) -> list:
+    """``names`` as pytest params, each skipped (with the reason) where it cannot run here."""
+    return [pytest.param(n, marks=requires(n)) for n in names]
+
+
+requires_torch = requires("torch")
+requires_tf = requires("tensorflow")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRE_ALL and report.skipped and any(m in str(report.longrepr) for m in MISSING):
+        report.outcome = "failed"
+        report.longrepr = f"BENCHBACKEND_REQUIRE_ALL=1 and this would have skipped: {report.longrepr}"
 
 
 def cli(*args: str, cwd: Path | None = None, timeout: float = 900, env: dict | None = None):
@@ -37,6 +73,55 @@ def envs_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         return Path(os.environ["BENCHBACKEND_ENVS"])
     cache = getattr(request.config, "cache", None)
     return cache.mkdir("benchbackend-envs") if cache else tmp_path_factory.mktemp("envs")
+
+
+def make_job(tmp_path: Path, w, backend: str = "numpy", *, target: str | None = None, **fields):
+    """The ``launch.Job`` of one repeat of ``backend`` (a registry name) on ``w``, with the run's arrays
+    written to ``tmp_path``; ``target`` runs another adapter class under that backend's entry, and
+    ``fields`` are the job's own (mode, precision, device, parity_steps, options, trains, ...)."""
+    from dataclasses import replace
+
+    from benchbackend import backends
+    from benchbackend.launch import Job
+
+    job = Job.for_spec(backends.get(backend), w, data=job_arrays(tmp_path, w), **fields)
+    return replace(job, target=target) if target else job
+
+
+def run_cell(tmp_path: Path, w, backend: str = "numpy", **fields) -> tuple[list[dict], list[dict]]:
+    """One cell in this process through ``worker.run_job``: (every message, the rows with the
+    trajectory decided as the runner decides it)."""
+    from benchbackend import checks, worker
+
+    msgs: list[dict] = []
+    worker.run_job(make_job(tmp_path, w, backend, **fields), msgs.append)
+    rows = [checks.trajectory(m, w) if m.get("losses") is not None else m for m in msgs if m.get("type") == "row"]
+    return msgs, rows
+
+
+def spawn_cell(tmp_path: Path, w, backend: str = "numpy", *, env: dict | None = None, timeout: float = 900,
+               **fields):
+    """One cell in a real worker process (for backends whose environment must be set before the
+    framework is imported): (the rows with the trajectory decided, the worker's ``Outcome``, its
+    ``messages.Info`` or None). ``env`` replaces the worker environment the registry entry gives."""
+    from benchbackend import backends, checks, launch, plan
+    from benchbackend.messages import Info, Row
+
+    job = make_job(tmp_path, w, backend, **fields)
+    spec = backends.get(backend)
+    cell = plan.Cell(w, plan.Choice(backend, job.mode, job.precision), job.repeat, 1, 0)
+    messages = launch.stream(cell, launch.python_for(spec), env or launch.worker_environ(spec, job.device), job,
+                             timeout)
+    rows, info = [], None
+    while True:
+        try:
+            msg = next(messages)
+        except StopIteration as stop:
+            return rows, stop.value, info
+        if isinstance(msg, Row):
+            row = dict(msg.fields)
+            rows.append(checks.trajectory(row, w) if row.get("losses") is not None else row)
+        info = msg if isinstance(msg, Info) else info
 
 
 def job_arrays(tmp_path: Path, w) -> str:

@@ -19,7 +19,7 @@ import pytest
 
 from benchbackend import checks, envs, workload
 from benchbackend.workload import Workload
-from conftest import built_env, job_arrays
+from conftest import built_env, make_job
 
 pytestmark = pytest.mark.chainer
 
@@ -67,10 +67,8 @@ def with_dropout(optimizer: str = "adam", lr: float = 1e-3) -> Workload:
 def run_cell(env: envs.EnvStatus, w: Workload, tmp: Path, mode: str, device: str = "cpu",
              parity_steps: int = 0) -> tuple[list[dict[str, Any]], str]:
     """The worker's messages (stdout, each line JSON) and its stderr."""
-    npz = job_arrays(tmp, w)
-    job = {"workload": w.to_dict(), "backend": "chainer", "target": TARGET, "mode": mode, "device": device,
-           "repeat": 0, "data": npz, "parity_steps": parity_steps, "trains": True}
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=json.dumps(job), text=True,
+    job = make_job(tmp, w, "chainer", mode=mode, device=device, repeat=0, parity_steps=parity_steps)
+    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=job.to_json(), text=True,
                           capture_output=True, timeout=900, env=envs.worker_env())
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]  # every line is protocol
     errors = [m for m in msgs if m.get("type") == "error"]

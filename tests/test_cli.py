@@ -8,11 +8,13 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from benchbackend import backends
 from benchbackend.cli import main
 from conftest import ROOT, cli
 
-FRAMEWORKS = ("torch", "tensorflow", "keras", "plaidml", "jax", "chainer", "cupy", "tvm", "onnx", "onnxruntime",
-              "openvino", "ray")
+#: Every module an adapter may import (from the registry), and Ray (the cluster executor).
+FRAMEWORKS = tuple(sorted({m for s in backends.BACKENDS.values() for m in s.requires + s.optional} - {"numpy"}
+                          | {"ray"}))
 
 
 @pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["list", "--help"], ["compare", "--help"],
@@ -50,32 +52,45 @@ def test_python_dash_m_works():
     assert out.returncode == 0 and "run" in out.stdout
 
 
+def invoke(*args: str):
+    """The CLI in this process (usage and configuration errors need no worker)."""
+    return CliRunner().invoke(main, list(args))
+
+
+def one_line_error(result) -> str:
+    """The one line a usage error prints (click's runner mixes stderr into output)."""
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error:"), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
 @pytest.mark.parametrize("args, needle", [
     (["run", "nope", "-b", "torch"], "unknown workload 'nope'"),
     (["run", "mnist", "-b", "caffe"], "unknown backend 'caffe'"),
     (["run", "does/not/exist.yaml"], "does/not/exist.yaml: workload file not found"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, needle):
-    out = cli(*args)
-    assert out.returncode == 2
-    assert needle in out.stderr
-    assert "Traceback" not in out.stderr
+    assert needle in one_line_error(invoke(*args))
+
+
+def test_usage_errors_are_one_line_exit_2_from_the_console_script():
+    out = cli("run", "nope", "-b", "torch")
+    assert out.returncode == 2 and out.stderr.strip() == "Error: unknown workload 'nope'; available: " \
+        + out.stderr.strip().split("available: ")[1]
 
 
 def test_bad_yaml_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ndata: {dataset: mnist, train: 10, validation: 0, test: 10}\nmodel: [\n")
-    out = cli("run", str(bad), "-b", "torch")
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "bad.yaml" in lines[0] and "malformed YAML" in lines[0]
+    line = one_line_error(invoke("run", str(bad), "-b", "torch"))
+    assert "bad.yaml" in line and "malformed YAML" in line
 
 
-def test_plaidml_before_setup_says_to_run_setup(tmp_path):
-    out = cli("run", "mnist", "-b", "plaidml", "--data", "synthetic", env={"BENCHBACKEND_ENVS": str(tmp_path)})
-    assert out.returncode == 2
-    assert "benchbackend setup plaidml" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+def test_plaidml_before_setup_says_to_run_setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCHBACKEND_ENVS", str(tmp_path))
+    assert "benchbackend setup plaidml" in one_line_error(invoke("run", "mnist", "-b", "plaidml", "--data",
+                                                                 "synthetic"))
 
 
 def test_ci_runs_exactly_the_readme_test_command():
@@ -85,30 +100,39 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_missing_real_data_is_one_line_naming_files_and_the_synthetic_alternative(tmp_path):
-    out = cli("run", "mnist", "-b", "numpy", "--data", "auto", "--data-dir", str(tmp_path / "empty"),
-              "-o", str(tmp_path / "r.csv"))
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and not (tmp_path / "r.csv").exists()
-    first = lines[0]
-    assert first.startswith("Error:") and "train-images-idx3-ubyte.gz" in first and "--data synthetic" in first
-    assert "Traceback" not in out.stderr
+    line = one_line_error(invoke("run", "mnist", "-b", "numpy", "--data", "auto", "--data-dir",
+                                 str(tmp_path / "empty"), "-o", str(tmp_path / "r.csv"), "-q"))
+    assert not (tmp_path / "r.csv").exists()
+    assert "train-images-idx3-ubyte.gz" in line and "--data synthetic" in line
 
 
 def test_interpreter_is_configurable_per_backend(tmp_path, monkeypatch):
     """configs/backends.yaml picks each backend's worker interpreter; a bad entry is one line."""
-    from benchbackend import backends, runner
+    from benchbackend import launch
     from benchbackend.errors import BackendUnavailable
 
     cfg = tmp_path / "backends.yaml"
     cfg.write_text(f"numpy: {sys.executable}\nplaidml: current\n")
     monkeypatch.setenv("BENCHBACKEND_BACKENDS_CONFIG", str(cfg))
-    assert runner.python_for(backends.get("numpy")) == sys.executable
+    assert launch.python_for(backends.get("numpy")) == sys.executable
     assert backends.get("plaidml").isolated_env is None
     assert backends.get("torch").python is None  # not named: the default
     cfg.write_text("caffe: current\n")
     with pytest.raises(BackendUnavailable, match="unknown backend 'caffe'"):
         backends.get("numpy")
     cfg.write_text("numpy: /no/such/python\n")
-    out = cli("run", "mnist", "-b", "numpy", "--data", "synthetic", env={"BENCHBACKEND_BACKENDS_CONFIG": str(cfg)})
-    assert out.returncode == 2 and "configured python /no/such/python does not exist" in out.stderr
+    line = one_line_error(invoke("run", "mnist", "-b", "numpy", "--data", "synthetic"))
+    assert "configured python /no/such/python does not exist" in line
+
+
+def test_the_all_extra_installs_every_backend_extra_and_ray():
+    """CI installs `.[all,test]`: a backend whose extra is missing from `all` would go untested."""
+    import re
+
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (req,) = extras["all"]
+    named = set(re.fullmatch(r"benchbackend\[(.*)\]", req).group(1).split(","))
+    wanted = {s.extra for s in backends.BACKENDS.values() if s.extra} | {"ray"}
+    assert named == wanted and wanted <= set(extras)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import backends, results, worker, workload
+from benchbackend import backends, results, workload
 from benchbackend.cli import main
-from conftest import ROOT, cli, job_arrays
+from conftest import ROOT, backend_params, cli, run_cell
 
-LAZY = backends.BackendSpec("lazy", "support.lazy_backend:LazyNumpyBackend", "numpy", "numpy", "(test only)",
+LAZY = backends.BackendSpec("lazy", "support.lazy_backend:LazyNumpyBackend", ("numpy",), "numpy", "(test only)",
                             "the NumPy reference on a simulated asynchronous device",
                             modes=(backends.Mode("reference", "the reference, its device busy after every call"),))
 
@@ -20,10 +20,7 @@ LAZY = backends.BackendSpec("lazy", "support.lazy_backend:LazyNumpyBackend", "nu
 def test_timed_regions_include_the_device_work_that_only_sync_waits_for(tmp_path, monkeypatch):
     monkeypatch.setenv("LAZY_DELAY", "0.4")
     w = workload.load("mnist").with_overrides(limit=64, epochs=2)
-    msgs: list[dict] = []
-    job = {"workload": w.to_dict(), "backend": "lazy", "target": LAZY.target, "mode": "reference",
-           "device": "cpu", "repeat": 1, "data": job_arrays(tmp_path, w), "trains": True}
-    worker.run_job(job, msgs.append)
+    msgs, _ = run_cell(tmp_path, w, "numpy", target=LAZY.target)
     timed = [m for m in msgs if m.get("phase") in ("train_epoch", "inference")]
     assert len(timed) == 2 + w.inference.repeats
     # 64 samples take milliseconds; the simulated device is busy 0.4 s after each call.
@@ -50,7 +47,7 @@ def test_inference_only_runs_build_parity_and_inference(tmp_path):
             "--repeats", "1", "-o", str(out), "--no-plots")
     assert r.returncode == 0, r.stderr[-2000:]
     df = results.read(out)
-    assert set(df["phase"]) == {"build", "parity", "inference"} and set(df["status"]) == {"ok"}
+    assert set(df["phase"]) == {"build", "parity", "inference", "run"} and set(df["status"]) == {"ok"}
     assert set(df["inference_only"].astype(str)) == {"True"}
 
 
@@ -112,15 +109,8 @@ def test_nchw_weight_conversion_round_trips(name):
         np.testing.assert_array_equal(a, b)
 
 
-def _installed(name):
-    spec = backends.get(name)
-    if not backends.installed(spec):
-        return pytest.param(name, marks=pytest.mark.skip(reason=f"{name} is not installed here: {spec.install}"))
-    return name
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [_installed(n) for n in backends.BACKENDS])
+@pytest.mark.parametrize("name", backend_params(backends.BACKENDS))
 def test_every_registered_backend_runs_an_inference_only_cell_with_parity(name, tmp_path):
     """Driven by the registry alone: every installed backend, its default mode, fp32, mnist."""
     out = tmp_path / f"{name}.csv"
@@ -128,5 +118,38 @@ def test_every_registered_backend_runs_an_inference_only_cell_with_parity(name, 
             "--repeats", "1", "-o", str(out), "--no-plots", timeout=1200)
     df = results.read(out)
     assert r.returncode == 0 and set(df["status"]) == {"ok"}, r.stderr[-2000:]
-    assert set(df["phase"]) <= {"build", "tune", "parity", "inference"} and (df.phase == "inference").sum() == 5
+    assert set(df["phase"]) <= {"build", "tune", "parity", "inference", "run"} and (df.phase == "inference").sum() == 5
     assert df[df.phase == "parity"]["parity_max_rel"].iloc[0] < 1e-4
+
+
+def _methods(spec: backends.BackendSpec) -> set[str]:
+    """The methods the adapter class and its bases in ``benchbackend.backends`` define, read from
+    their source (importing them would import every framework into the test process)."""
+    import ast
+
+    module, _, name = spec.target.partition(":")
+    found: set[str] = set()
+    todo = [(module, name)]
+    while todo:
+        mod, cls = todo.pop()
+        path = ROOT / (mod.replace(".", "/") + ".py")
+        tree = ast.parse(path.read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        found |= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+        for base in node.bases:
+            base_name = base.id if isinstance(base, ast.Name) else ""
+            if base_name and base_name != "Backend" and any(
+                    isinstance(n, ast.ClassDef) and n.name == base_name for n in tree.body):
+                todo.append((mod, base_name))
+    return found
+
+
+@pytest.mark.parametrize("name", [n for n, s in backends.BACKENDS.items() if s.target.startswith("benchbackend.")])
+def test_declared_capabilities_are_what_the_adapter_implements(name):
+    """The worker acts on the registry's declarations, never on what an adapter happens to have:
+    a declaration and its adapter must agree (an undeclared probe would never run; a declared one
+    that is missing would crash every cell)."""
+    spec = backends.BACKENDS[name]
+    methods = _methods(spec)
+    assert ("gemm_peak" in methods) == spec.capabilities.peak_probe, methods
+    assert ("threads" in methods) == spec.capabilities.thread_control, methods

@@ -17,7 +17,8 @@ import pytest
 
 from benchbackend import data
 from benchbackend.errors import DataError
-from benchbackend.workload import DataSpec, Workload, load as load_workload
+from benchbackend.workload import DataSpec, Workload
+from benchbackend.workload import load as load_workload
 
 MNIST_FILES = data.FILES["mnist"]
 CIFAR_FILE = data.FILES["cifar10"][0]

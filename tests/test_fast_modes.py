@@ -7,7 +7,6 @@ default mode (the fast paths change the speed, not the numbers).
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -15,15 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchbackend import checks
+from benchbackend import backends, checks
 from benchbackend import workload as W
+from benchbackend.launch import Job
 from benchbackend.worker import run_job
+from conftest import job_arrays, requires, requires_tf, requires_torch
 
-from conftest import job_arrays, requires_tf, requires_torch
-
-TARGETS = {"torch": "benchbackend.backends.torch:TorchBackend",
-           "tensorflow": "benchbackend.backends.tensorflow:TensorFlowBackend",
-           "jax": "benchbackend.backends.jax:JaxBackend"}
 WORKLOAD = W.load("mnist").with_overrides(limit=512, epochs=1)
 _RUNS: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
 
@@ -33,14 +29,16 @@ def arrays(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(job_arrays(tmp_path_factory.mktemp("fast"), WORKLOAD))
 
 
+def job(arrays: Path, backend: str, mode: str, precision: str, **fields: Any) -> Job:
+    return Job.for_spec(backends.get(backend), WORKLOAD, mode=mode, precision=precision, data=str(arrays), **fields)
+
+
 def cell(arrays: Path, backend: str, mode: str, precision: str) -> list[dict[str, Any]]:
     """The messages of one cell, run once per test session and shared by the tests below."""
     key = (backend, mode, precision)
     if key not in _RUNS:
         msgs: list[dict[str, Any]] = []
-        run_job({"workload": WORKLOAD.to_dict(), "backend": backend, "target": TARGETS[backend], "mode": mode,
-                 "precision": precision, "device": "cpu", "repeat": 0, "data": str(arrays), "trains": True,
-                 "parity_steps": 5, "options": {}}, msgs.append)
+        run_job(job(arrays, backend, mode, precision, repeat=0, parity_steps=5), msgs.append)
         _RUNS[key] = msgs
     return _RUNS[key]
 
@@ -64,7 +62,7 @@ def assert_cell_ok(msgs: list[dict[str, Any]], precision: str) -> None:
     assert checks.parity_mismatch(par["parity_max_abs"], par["parity_max_rel"], tol.rtol, tol.atol) is None, par
     if precision == "fp32":
         traj = trajectory(msgs)
-        assert traj["parity_step"] is None, traj["message"]
+        assert traj["parity_step"] is None, traj["notes"]
     else:
         # Reduced precision really ran: the outputs are off the float64 reference by far more
         # than fp32 rounding (~1e-7 here).
@@ -123,8 +121,7 @@ def test_xla_trains_like_tf_function(arrays: Path) -> None:
 ])
 def test_fp16_on_cpu_is_unavailable(arrays: Path, backend: str, mode: str, reason: str) -> None:
     msgs: list[dict[str, Any]] = []
-    run_job({"workload": WORKLOAD.to_dict(), "backend": backend, "target": TARGETS[backend], "mode": mode,
-             "precision": "fp16", "device": "cpu", "data": str(arrays)}, msgs.append)
+    run_job(job(arrays, backend, mode, "fp16"), msgs.append)
     assert [m["type"] for m in msgs] == ["unavailable"]
     assert reason in msgs[0]["message"]
 
@@ -147,13 +144,10 @@ def test_tensorflow_bf16_computes_in_bfloat16_with_float32_output() -> None:
 @pytest.mark.parametrize("backend,mode", [
     pytest.param("torch", "eager", marks=requires_torch),
     pytest.param("tensorflow", "tf.function", marks=requires_tf),
-    pytest.param("jax", "jit", marks=pytest.mark.skipif(importlib.util.find_spec("jax") is None,
-                                                        reason="JAX is not installed")),
+    pytest.param("jax", "jit", marks=requires("jax")),
 ])
 def test_gemm_peak_is_a_rate(backend: str, mode: str) -> None:
-    from benchbackend.worker import load_target
-
-    b = load_target(TARGETS[backend])(WORKLOAD, "cpu", mode)
+    b = backends.get(backend).load_class()(WORKLOAD, "cpu", mode)
     for precision in ("fp32", "bf16"):
         flops = b.gemm_peak(precision)
         assert math.isfinite(flops) and 0 < flops < 1e16  # above 10 PFLOP/s on one device is a unit error

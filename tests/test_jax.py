@@ -2,19 +2,17 @@
 trains exactly as `jit`, a missing TPU is `unavailable`, and results stay lazy until the worker syncs."""
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import numpy as np
 import pytest
 
-from benchbackend import checks, data, model, timing, worker, workload
+from benchbackend import checks, data, model, timing, workload
+from benchbackend.launch import Options
 from benchbackend.workload import Workload
-from conftest import job_arrays
+from conftest import requires, run_cell
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
-                                reason="JAX is not installed (pip install 'benchbackend[jax]')")
-TARGET = "benchbackend.backends.jax:JaxBackend"
+pytestmark = requires("jax")
 
 
 def small(name: str = "mnist", limit: int = 640, epochs: int = 1, repeats: int = 1, **training: Any) -> Workload:
@@ -24,15 +22,10 @@ def small(name: str = "mnist", limit: int = 640, epochs: int = 1, repeats: int =
 
 
 def run(tmp_path, w: Workload, mode: str = "jit", device: str = "cpu", parity_steps: int = 0,
-        options: dict | None = None) -> tuple[list[dict], list[dict]]:
+        options: Options | None = None) -> tuple[list[dict], list[dict]]:
     """(all messages, rows with the trajectory decided) of one in-process cell."""
-    msgs: list[dict] = []
-    job = {"workload": w.to_dict(), "backend": "jax", "target": TARGET, "mode": mode, "precision": "fp32",
-           "device": device, "repeat": 1, "data": job_arrays(tmp_path, w), "trains": True,
-           "parity_steps": parity_steps, "options": options or {}}
-    worker.run_job(job, msgs.append)
-    rows = [checks.trajectory(m, w) if m.get("losses") is not None else m for m in msgs if m.get("type") == "row"]
-    return msgs, rows
+    return run_cell(tmp_path, w, "jax", mode=mode, device=device, parity_steps=parity_steps,
+                    options=options or Options())
 
 
 def arrays(w: Workload) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -48,7 +41,7 @@ def test_forward_parity_and_a_20_step_trajectory_agree_with_the_reference(tmp_pa
     _, rows = run(tmp_path, w, parity_steps=20)
     forward, traj = [r for r in rows if r["phase"] == "parity"]
     assert forward["parity_max_rel"] < w.checks.parity_rtol, forward
-    assert traj["steps"] == 20 and traj["parity_step"] is None, traj["message"]
+    assert traj["steps"] == 20 and traj["parity_step"] is None, traj["notes"]
     assert checks.cell_status(rows, w)[0] == "ok", checks.cell_status(rows, w)
 
 
@@ -128,7 +121,7 @@ def test_an_unknown_device_is_unavailable():
     from benchbackend.backends.jax import JaxBackend
     from benchbackend.errors import BackendUnavailable
 
-    with pytest.raises(BackendUnavailable, match="unknown device 'opencl'"):
+    with pytest.raises(BackendUnavailable, match="jax: unknown device 'opencl'"):
         JaxBackend(small(), "opencl", "jit")
 
 

@@ -7,34 +7,27 @@ whole session down. Alone (or in that child process) they pass.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-from benchbackend import checks, data, model, worker, workload
+from benchbackend import backends, checks, data, model, workload
 from benchbackend.errors import BackendUnavailable
-from conftest import job_arrays
+from benchbackend.launch import Options
+from conftest import have, requires, run_cell
 
-
-def _have(*modules: str) -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in modules)
-
-
-requires_onnx = pytest.mark.skipif(not _have("onnx"), reason="onnx is not installed (pip install onnx)")
-requires_ort = pytest.mark.skipif(not _have("onnx", "onnxruntime"),
-                                  reason="onnxruntime is not installed (pip install 'benchbackend[onnxruntime]')")
-requires_ov = pytest.mark.skipif(not _have("onnx", "openvino"),
-                                 reason="OpenVINO is not installed (pip install 'benchbackend[openvino]')")
+requires_onnx = pytest.mark.skipif(not have("onnx"), reason="onnx is not installed (pip install onnx)")
+requires_ort = requires("onnxruntime")
+requires_ov = requires("openvino")
 
 pytestmark = pytest.mark.skipif(os.environ.get("BENCHBACKEND_ISOLATED") != "onnx_runtimes",
                                 reason="runs in its own process: tests/test_isolated.py (OpenVINO segfaulted "
                                        "beside other frameworks in one process)")
 
-ORT = ("benchbackend.backends.onnxruntime:OnnxRuntimeBackend", "default")
-OV = ("benchbackend.backends.openvino:OpenVinoBackend", "latency")
-OV_THROUGHPUT = ("benchbackend.backends.openvino:OpenVinoBackend", "throughput")
+ORT = ("onnxruntime", "default")
+OV = ("openvino", "latency")
+OV_THROUGHPUT = ("openvino", "throughput")
 RUNTIMES = [pytest.param(ORT, marks=requires_ort, id="onnxruntime"),
             pytest.param(OV, marks=requires_ov, id="openvino-latency"),
             pytest.param(OV_THROUGHPUT, marks=requires_ov, id="openvino-throughput")]
@@ -47,18 +40,14 @@ def _small(name: str = "mnist") -> workload.Workload:
 def _run(tmp_path, w: workload.Workload, runtime: tuple[str, str], precision: str = "fp32",
          device: str = "cpu") -> tuple[list[dict], tuple[str, str]]:
     """One inference-only cell in this process: its messages, and the status checks give it."""
-    path = job_arrays(tmp_path, w)
-    target, mode = runtime
-    msgs: list[dict] = []
-    worker.run_job({"workload": w.to_dict(), "backend": target, "target": target, "mode": mode,
-                    "precision": precision, "device": device, "repeat": 1, "data": path, "trains": False,
-                    "options": {"threads": 2}}, msgs.append)
-    rows = [m for m in msgs if m.get("type") == "row"]
+    name, mode = runtime
+    msgs, rows = run_cell(tmp_path, w, name, mode=mode, precision=precision, device=device,
+                          options=Options(threads=2))
     return msgs, checks.cell_status(rows, w, precision)
 
 
 def _adapter(runtime: tuple[str, str], w: workload.Workload, precision: str = "fp32"):
-    backend = worker.load_target(runtime[0])(w, "cpu", runtime[1], precision, {"threads": 2})
+    backend = backends.get(runtime[0]).load_class()(w, "cpu", runtime[1], precision, {"threads": 2})
     backend.build(model.initial_weights(w, 1))
     return backend
 
@@ -144,14 +133,14 @@ def test_openvino_bf16_is_bf16_or_unavailable(tmp_path):
         assert msgs[0]["type"] == "unavailable" and "bf16" in msgs[0]["message"]
         return
     build = [m for m in msgs if m.get("phase") == "build"][0]
-    assert "inference_precision bf16" in build["message"]
+    assert "inference_precision bf16" in build["notes"]
     assert status == "ok", msg  # within the bf16 tolerance
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_an_unknown_device_is_unavailable(tmp_path, runtime):
     with pytest.raises(BackendUnavailable, match="unknown device 'tpu'"):
-        worker.load_target(runtime[0])(_small(), "tpu", runtime[1])
+        backends.get(runtime[0]).load_class()(_small(), "tpu", runtime[1])
     msgs, _ = _run(tmp_path, _small(), runtime, device="tpu")
     assert msgs[0]["type"] == "unavailable"
 

@@ -5,22 +5,11 @@ import numpy as np
 import pytest
 
 from benchbackend import checks, data, model, worker, workload
-from conftest import job_arrays, requires_tf, requires_torch
+from conftest import requires_tf, requires_torch, run_cell
 
 
 def _run(tmp_path, w, backend, parity_steps=0):
-    from benchbackend import backends
-
-    rows = []
-    spec = backends.get(backend)
-    job = {"workload": w.to_dict(), "backend": backend, "target": spec.target, "mode": spec.default_mode,
-           "device": "cpu", "repeat": 1, "data": job_arrays(tmp_path, w), "parity_steps": parity_steps}
-
-    def keep(m):
-        if m.get("type") == "row":
-            rows.append(checks.trajectory(m, w) if m.get("losses") is not None else m)
-
-    worker.run_job(job, keep)
+    _, rows = run_cell(tmp_path, w, backend, parity_steps=parity_steps)
     return rows, checks.cell_status(rows, w)
 
 
@@ -48,7 +37,8 @@ def test_skipping_the_flatten_permutation_is_caught(tmp_path, monkeypatch):
 @requires_torch
 def test_a_wrongly_transposed_kernel_is_caught(tmp_path, monkeypatch):
     real = np.transpose
-    monkeypatch.setattr(model.np, "transpose", lambda a, axes=None: real(a, (3, 2, 1, 0) if axes == (3, 2, 0, 1) else axes))
+    monkeypatch.setattr(model.np, "transpose",
+                        lambda a, axes=None: real(a, (3, 2, 1, 0) if axes == (3, 2, 0, 1) else axes))
     rows, (status, msg) = _run(tmp_path, _small(), "torch")
     assert status == "parity_mismatch", msg
 
@@ -70,7 +60,7 @@ def test_a_20_step_cifar10_trajectory_agrees_at_the_workloads_tolerance(tmp_path
     w = workload.load("cifar10").with_overrides(limit=640, epochs=1)
     rows, (status, msg) = _run(tmp_path, w, backend, parity_steps=20)
     traj = [r for r in rows if r["phase"] == "parity" and r.get("steps")]
-    assert traj and traj[0]["steps"] == 20 and traj[0]["parity_step"] is None, traj[0]["message"]
+    assert traj and traj[0]["steps"] == 20 and traj[0]["parity_step"] is None, traj[0]["notes"]
     assert status == "ok", msg
 
 

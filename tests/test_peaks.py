@@ -10,9 +10,10 @@ from benchbackend import backends, peaks, results
 from benchbackend.cli import main
 from conftest import ROOT
 
-LOW = backends.BackendSpec("lowpeak", "support.lazy_backend:LowPeakNumpyBackend", "numpy", "numpy", "(test only)",
+LOW = backends.BackendSpec("lowpeak", "support.lazy_backend:LowPeakNumpyBackend", ("numpy",), "numpy", "(test only)",
                            "the NumPy reference whose GEMM probe reads too low",
-                           modes=(backends.Mode("reference", "the reference"),))
+                           modes=(backends.Mode("reference", "the reference"),),
+                           capabilities=backends.Capabilities(peak_probe=True))
 
 
 def test_the_key_holds_the_thread_count_and_a_probe_never_lowers_a_stored_peak(tmp_path, monkeypatch):
@@ -45,7 +46,7 @@ def test_a_peak_shown_too_low_by_a_run_is_flagged_and_probed_again_next_run(tmp_
     df = results.read(tmp_path / "a.csv")
     timed = df[df.phase == "inference"]
     assert (timed["mfu"] > 1).all() and set(timed["peak_source"]) == {"lowpeak GEMM probe"}
-    assert timed["message"].str.contains("above 100%: the peak .* is too low; the cached probe is dropped").all()
+    assert timed["notes"].str.contains("above 100%: the peak .* is too low; the cached probe is dropped").all()
     assert first.output.count("is above 100%") == 1  # said once per cell on the terminal
     assert json.loads((tmp_path / "cache" / "peaks.json").read_text()) == {}
 

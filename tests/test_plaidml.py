@@ -22,7 +22,7 @@ import pytest
 from benchbackend import backends, checks, envs, workload
 from benchbackend.errors import EnvError
 from benchbackend.workload import Workload
-from conftest import built_env, job_arrays
+from conftest import built_env, make_job
 
 pytestmark = pytest.mark.plaidml
 PROBE = envs.Probe("plaidml", backends.BACKENDS["plaidml"].target, backends.BACKENDS["plaidml"].env("cpu"))
@@ -158,11 +158,9 @@ def small(name: str = "mnist", limit: int = 128, epochs: int = 1, repeats: Optio
 
 def run_cell(env: envs.EnvStatus, w: Workload, tmp: Path, device: str = "cpu", parity_steps: int = 0,
              extra_env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
-    npz = job_arrays(tmp, w)
     spec = backends.BACKENDS["plaidml"]
-    job = {"workload": w.to_dict(), "backend": "plaidml", "target": spec.target, "mode": "keras2", "device": device,
-           "repeat": 0, "data": npz, "parity_steps": parity_steps}
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=json.dumps(job), text=True,
+    job = make_job(tmp, w, "plaidml", device=device, repeat=0, parity_steps=parity_steps)
+    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=job.to_json(), text=True,
                           capture_output=True, timeout=900,
                           env={**envs.worker_env(), **spec.env(device), **(extra_env or {})})
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from benchbackend import plots, results, stats
+from benchbackend import experiments, plots, results, summary
 from benchbackend.errors import ResultsError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,9 +47,8 @@ def frame(tmp_path: Path) -> pd.DataFrame:
     return _write(tmp_path / "r.csv")
 
 
-def _context(df: pd.DataFrame) -> tuple[pd.DataFrame, dict[tuple, str]]:
-    groups = stats.summarize(df).groups
-    return groups, dict(zip(groups.index, groups["status"]))
+def _context(df: pd.DataFrame) -> pd.DataFrame:
+    return summary.summarize(df).groups
 
 
 def test_figures_per_experiment_and_device(frame: pd.DataFrame) -> None:
@@ -71,7 +70,7 @@ def _bars(ax: Any) -> Any:
 
 
 def test_epoch_time_bars_with_intervals_and_failed_marked(frame: pd.DataFrame) -> None:
-    groups, _ = _context(frame)
+    groups = _context(frame)
     fig = plots.epoch_time_figure(groups, "t")
     ax = fig.axes[0]
     bars = _bars(ax)
@@ -91,7 +90,7 @@ def test_epoch_time_bars_with_intervals_and_failed_marked(frame: pd.DataFrame) -
 
 
 def test_value_labels_sit_above_the_error_bars(frame: pd.DataFrame) -> None:
-    groups, _ = _context(frame)
+    groups = _context(frame)
     ax = plots.epoch_time_figure(groups, "t").axes[0]
     tops = dict(zip(groups.index, groups["steady_high"]))
     labels = [t for t in ax.texts if t.get_text().endswith(" s")]
@@ -102,7 +101,7 @@ def test_value_labels_sit_above_the_error_bars(frame: pd.DataFrame) -> None:
 
 def test_titles_fit_in_the_figure(frame: pd.DataFrame) -> None:
     long = "mnist (limit 1024, epochs 3, def abcdef) on a-very-long-device-name:0"
-    groups, _ = _context(frame)
+    groups = _context(frame)
     for fig in (plots.epoch_time_figure(groups, long), plots.throughput_figure(groups, long)):
         fig.canvas.draw()
         title = fig.axes[0].title.get_window_extent()
@@ -111,7 +110,7 @@ def test_titles_fit_in_the_figure(frame: pd.DataFrame) -> None:
 
 
 def test_throughput_figure_is_samples_per_second(frame: pd.DataFrame) -> None:
-    groups, _ = _context(frame)
+    groups = _context(frame)
     ax = plots.throughput_figure(groups, "t").axes[0]
     heights = dict(zip(["jax", "numpy", "plaidml", "torch"], [b.get_height() for b in _bars(ax)]))
     assert heights["torch"] == pytest.approx(100.0, rel=0.1) and heights["numpy"] == pytest.approx(50.0, rel=0.1)
@@ -119,9 +118,9 @@ def test_throughput_figure_is_samples_per_second(frame: pd.DataFrame) -> None:
 
 
 def test_curves_have_one_style_per_backend_and_failed_are_dotted(frame: pd.DataFrame) -> None:
-    _, statuses = _context(frame)
+    groups = _context(frame)
     train = frame[frame["phase"] == "train_epoch"]
-    fig = plots.curves_figure(train, statuses, "t")
+    fig = plots.curves_figure(train, groups, "t")
     loss_ax, acc_ax = fig.axes
     labelled = {ln.get_label(): ln for ln in loss_ax.lines if not ln.get_label().startswith("_")}
     assert set(labelled) == {"jax [nan_loss]", "numpy", "torch", "loss no longer finite"}
@@ -138,8 +137,8 @@ def test_identical_curves_stay_visible(tmp_path: Path) -> None:
     """Two backends that agree exactly draw the same curve: marker, size and line style differ,
     so the one underneath still shows."""
     df = _write(tmp_path / "same.csv", backends={"numpy": (1.0, "ok"), "torch": (1.0, "ok")}, same_curves=True)
-    _, statuses = _context(df)
-    loss_ax = plots.curves_figure(df[df["phase"] == "train_epoch"], statuses, "t").axes[0]
+    groups = _context(df)
+    loss_ax = plots.curves_figure(df[df["phase"] == "train_epoch"], groups, "t").axes[0]
     a, b = [ln for ln in loss_ax.lines if not ln.get_label().startswith("_")]
     assert list(a.get_ydata()) == list(b.get_ydata())
     assert (a.get_marker(), a.get_linestyle(), a.get_markersize()) != (b.get_marker(), b.get_linestyle(),
@@ -148,8 +147,8 @@ def test_identical_curves_stay_visible(tmp_path: Path) -> None:
 
 
 def test_inference_boxes_per_backend(frame: pd.DataFrame) -> None:
-    _, statuses = _context(frame)
-    fig = plots.inference_figure(frame[frame["phase"] == "inference"], statuses, "t", samples=500)
+    groups = _context(frame)
+    fig = plots.inference_figure(frame[frame["phase"] == "inference"], groups, "t", samples=500)
     ax = fig.axes[0]
     boxes = [p for p in ax.patches]
     assert len(boxes) == 4
@@ -240,7 +239,7 @@ def _sweep(path: Path, batches: tuple[int, ...] = (16, 32, 64, 128), rates: Opti
                     sps = 4 * speed * (1 + 0.03 * float(rng.standard_normal()))
                     w.write(dict(base, phase="inference", epoch=n, samples=256, seconds=256 / sps, samples_per_s=sps,
                                  achieved_flops=FLOPS * sps, mfu=FLOPS * sps / peak))
-    return results.for_comparison(results.read(path))
+    return experiments.for_comparison(results.read(path))
 
 
 def _curves(ax: Any) -> dict[str, Any]:
@@ -254,7 +253,7 @@ def test_batch_sweep_draws_throughput_against_batch_size(tmp_path: Path) -> None
     df = _sweep(tmp_path / "s.csv")
     figs = dict(plots.figures(df))
     assert {"mnist-cpu-batch-train", "mnist-cpu-batch-inference"} <= set(figs)
-    groups = stats.summarize(df).groups
+    groups = summary.summarize(df).groups
     ax = figs["mnist-cpu-batch-train"].axes[0]
     assert ax.get_xlabel() == "training batch size" and "samples/s" in ax.get_ylabel()
     assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "32", "64", "128"]
@@ -277,7 +276,7 @@ def test_batch_sweep_draws_throughput_against_batch_size(tmp_path: Path) -> None
 
 def test_one_peak_gives_an_mfu_axis_that_reads_the_mfu(tmp_path: Path) -> None:
     df = _sweep(tmp_path / "s.csv")
-    groups = stats.summarize(df).groups
+    groups = summary.summarize(df).groups
     figs = dict(plots.figures(df))
     ax = figs["mnist-cpu-batch-train"].axes[0]
     (mfu_axis,) = ax.child_axes
@@ -291,7 +290,7 @@ def test_one_peak_gives_an_mfu_axis_that_reads_the_mfu(tmp_path: Path) -> None:
 
 def test_different_peaks_label_each_point_with_its_mfu(tmp_path: Path) -> None:
     df = _sweep(tmp_path / "s.csv", peaks={"torch": 0.8e12})
-    groups = stats.summarize(df).groups
+    groups = summary.summarize(df).groups
     assert plots.mfu_scale(groups, "samples_per_s", "mfu") is None
     ax = dict(plots.figures(df))["mnist-cpu-batch-train"].axes[0]
     assert not ax.child_axes
@@ -319,18 +318,18 @@ def test_no_sweep_no_batch_figure_and_sweeps_of_other_definitions_apart(tmp_path
     assert not any("batch" in stem for stem, _ in plots.figures(single))
     a = _sweep(tmp_path / "a.csv", batches=(32, 64), limit=512)
     b = _sweep(tmp_path / "b.csv", batches=(32, 64), limit=1024)
-    both = results.for_comparison(pd.concat([a, b], ignore_index=True).drop(columns="experiment"))
+    both = experiments.for_comparison(pd.concat([a, b], ignore_index=True).drop(columns="experiment"))
     figs = dict(plots.figures(both))
     sweeps = sorted(stem for stem in figs if stem.startswith("mnist-cpu-batch"))
     assert sweeps == ["mnist-cpu-batch-1-inference", "mnist-cpu-batch-1-train",
                       "mnist-cpu-batch-2-inference", "mnist-cpu-batch-2-train"]
     titles = [figs[s].axes[0].get_title().replace("\n", " ") for s in sweeps if s.endswith("train")]
-    assert "train=1024" in titles[0] and "train=512" in titles[1]
+    assert "limit 1024" in titles[0] and "limit 512" in titles[1]
 
 
 def test_throughput_bars_carry_their_mfu(tmp_path: Path) -> None:
     df = _sweep(tmp_path / "s.csv", batches=(32,))
-    groups = stats.summarize(df).groups
+    groups = summary.summarize(df).groups
     ax = plots.throughput_figure(groups, "t").axes[0]
     texts = [t.get_text() for t in ax.texts]
     for mfu in groups["mfu"]:

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchbackend import backends, results, runner
+from benchbackend import backends, progress, results, runner, workload
 from benchbackend import plan as planning
-from benchbackend import workload
 from benchbackend.backends import BackendSpec, Mode
 from benchbackend.executors.local import LocalExecutor
 
@@ -39,7 +38,12 @@ def _plan(tmp_path: Path, name: str, backend: str = "numpy", limit: int = 256, e
           device: str = "cpu") -> planning.RunPlan:
     w = workload.load("mnist").with_overrides(limit=limit, epochs=epochs)
     return planning.RunPlan(workloads=[w], choices=planning.resolve([backend], [], []), repeats=repeats,
-                            device=device, data_source="synthetic", output=tmp_path / f"{name}.csv")
+                            device=device, data_source="synthetic")
+
+
+def _run(tmp_path: Path, name: str, plan: planning.RunPlan, executor) -> list:
+    """The cells of ``plan`` run by ``executor``, written to ``tmp_path / name.csv``."""
+    return runner.Runner(plan, executor, results.CsvWriter(tmp_path / f"{name}.csv")).run()
 
 
 def _ray_executor(**kwargs):
@@ -53,8 +57,8 @@ COMPARED = ["repeat", "phase", "epoch", "samples", "status", "loss", "accuracy",
 
 
 def test_ray_rows_match_the_local_executor_but_for_timings_and_hosts(cluster, tmp_path):
-    local = runner.Runner(_plan(tmp_path, "local"), LocalExecutor()).run()
-    remote = runner.Runner(_plan(tmp_path, "ray"), _ray_executor()).run()
+    local = _run(tmp_path, "local", _plan(tmp_path, "local"), LocalExecutor())
+    remote = _run(tmp_path, "ray", _plan(tmp_path, "ray"), _ray_executor())
     assert [(c.repeat, c.status) for c in remote] == [(c.repeat, c.status) for c in local]
     a, b = results.read(tmp_path / "local.csv"), results.read(tmp_path / "ray.csv")
     key = ["repeat", "phase", "epoch"]
@@ -67,13 +71,13 @@ def test_ray_rows_match_the_local_executor_but_for_timings_and_hosts(cluster, tm
 def test_a_worker_killed_mid_cell_costs_that_cell_only(cluster, tmp_path, monkeypatch):
     mark = tmp_path / "killed"
     path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
-    spec = BackendSpec("killer", "support.killer_backend:KillerNumpyBackend", "numpy", "numpy", "(test only)",
+    spec = BackendSpec("killer", "support.killer_backend:KillerNumpyBackend", ("numpy",), "numpy", "(test only)",
                        "the NumPy reference; its first worker kills its Ray worker in epoch 2",
                        modes=(Mode("reference", "NumPy, batch by batch"),),
                        env=lambda device: {"KILLER_MARK": str(mark), "PYTHONPATH": path})
     monkeypatch.setitem(backends.BACKENDS, "killer", spec)
     # 32 SGD steps over 2 epochs: enough for the surviving repeat to clear the chance check.
-    cells = runner.Runner(_plan(tmp_path, "fault", "killer", limit=512, epochs=2), _ray_executor()).run()
+    cells = _run(tmp_path, "fault", _plan(tmp_path, "fault", "killer", limit=512, epochs=2), _ray_executor())
     assert mark.exists()  # the fault did strike
     assert [(c.repeat, c.status) for c in cells] == [(1, "crashed"), (2, "ok")]
     assert "Ray" in cells[0].message and "WorkerCrashedError" in cells[0].message
@@ -86,7 +90,7 @@ def test_a_worker_killed_mid_cell_costs_that_cell_only(cluster, tmp_path, monkey
 
 def test_a_group_no_node_can_take_is_unavailable_and_says_why(cluster, tmp_path, monkeypatch):
     # The interpreter makes the driver's install check pass; only the cluster lacks the env.
-    spec = BackendSpec("ghost", "benchbackend.backends.reference:NumpyBackend", "numpy", "numpy", "(test only)",
+    spec = BackendSpec("ghost", "benchbackend.backends.reference:NumpyBackend", ("numpy",), "numpy", "(test only)",
                        "the NumPy reference in an isolated env no node has",
                        modes=(Mode("reference", "NumPy, batch by batch"),), isolated_env="ghost",
                        python=sys.executable)
@@ -94,8 +98,8 @@ def test_a_group_no_node_can_take_is_unavailable_and_says_why(cluster, tmp_path,
     plan = _plan(tmp_path, "ghost", "ghost")
     plan.choices += planning.resolve(["numpy"], [], [])
     plan.repeats = 1
-    cells = runner.Runner(plan, _ray_executor()).run()
-    ghost, numpy = cells
+    cells = _run(tmp_path, "ghost", plan, _ray_executor())
+    ghost, numpy = sorted(cells, key=lambda c: c.backend)
     assert (ghost.backend, ghost.status) == ("ghost", "unavailable")
     assert "benchbackend-env-ghost" in ghost.message and "ray start --resources" in ghost.message
     df = results.read(tmp_path / "ghost.csv")
@@ -105,7 +109,7 @@ def test_a_group_no_node_can_take_is_unavailable_and_says_why(cluster, tmp_path,
 
 
 def test_gpu_cells_on_a_cluster_without_gpus_are_unavailable(cluster, tmp_path):
-    cells = runner.Runner(_plan(tmp_path, "gpu", device="gpu"), _ray_executor()).run()
+    cells = _run(tmp_path, "gpu", _plan(tmp_path, "gpu", device="gpu"), _ray_executor())
     assert [c.status for c in cells] == ["unavailable"]
     assert "GPU" in cells[0].message
 
@@ -126,29 +130,30 @@ def test_cells_per_node_shares_a_node_cpus():
     from benchbackend.executors.ray import RayExecutor, _Session
 
     node = {"Resources": {"CPU": 16.0}}
-    share = {n: _Session(RayExecutor(cells_per_node=n), runner=None)._cpus(node) for n in (None, 1, 3, 32)}
+    share = {n: _Session(RayExecutor(cells_per_node=n), tasks=[])._cpus(node) for n in (None, 1, 3, 32)}
     assert share == {None: 16.0, 1: 16.0, 3: 5.0, 32: 0.5}
     with pytest.raises(ValueError):
         RayExecutor(cells_per_node=0)
 
 
 def test_timeout_applies_per_cell_on_the_node(cluster, tmp_path):
-    plan = _plan(tmp_path, "timeout", repeats=2)
-    plan.timeout = 0.5  # less than a worker takes to start
-    cells = runner.Runner(plan, _ray_executor()).run()
+    # 0.5 s: less than a worker takes to start
+    cells = _run(tmp_path, "timeout", _plan(tmp_path, "timeout", repeats=2), _ray_executor(timeout=0.5))
     assert [(c.repeat, c.status) for c in cells] == [(1, "timeout"), (2, "timeout")]
     assert "--timeout 0.5s" in cells[0].message
 
 
 def test_ctrl_c_cancels_the_tasks_and_keeps_what_arrived(cluster, tmp_path):
-    def progress(line: str) -> None:
-        if "epoch 1/" in line:
-            raise KeyboardInterrupt  # as Ctrl-C would, while the driver handles a streamed row
+    class Interrupting(progress.Display):
+        def note(self, text: str) -> None:
+            if "epoch 1/" in text:
+                raise KeyboardInterrupt  # as Ctrl-C would, while the driver handles a streamed row
 
-    r = runner.Runner(_plan(tmp_path, "int", epochs=3), _ray_executor(), progress=progress)
+    r = runner.Runner(_plan(tmp_path, "int", epochs=3), _ray_executor(), results.CsvWriter(tmp_path / "int.csv"),
+                      Interrupting())
     with pytest.raises(KeyboardInterrupt):
         r.run()
-    assert [(c.repeat, c.status) for c in r.cells] == [(1, "interrupted")]
+    assert [(c.repeat, c.status) for c in r.results] == [(1, "interrupted")]
     df = results.read(tmp_path / "int.csv")
     assert set(df["status"]) == {"interrupted"} and set(df["repeat"]) == {1}
     assert df[df.phase == "train_epoch"]["epoch"].tolist() == [1]
@@ -161,7 +166,7 @@ def test_ctrl_c_cancels_the_tasks_and_keeps_what_arrived(cluster, tmp_path):
 
 def test_two_cells_per_node_run_side_by_side_with_half_the_threads_each(cluster, tmp_path):
     plan = _plan(tmp_path, "shared", repeats=2)
-    cells = runner.Runner(plan, _ray_executor(cells_per_node=2, allow_mixed_hosts=True)).run()
+    cells = _run(tmp_path, "shared", plan, _ray_executor(cells_per_node=2, allow_mixed_hosts=True))
     assert sorted(c.repeat for c in cells) == [1, 2]
     df = results.read(tmp_path / "shared.csv")
     assert set(df["threads"]) == {cluster.cluster_resources()["CPU"] // 2}

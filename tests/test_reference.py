@@ -234,7 +234,6 @@ def arrays(wl: wl_mod.Workload) -> tuple[np.ndarray, ...]:
 
 def test_backend_trains_mnist_above_chance() -> None:
     from benchbackend.data import epoch_orders
-
     from benchbackend.worker import Cell
 
     wl = mnist(512)
@@ -308,7 +307,7 @@ def test_train_losses_disable_dropout() -> None:
 
 def test_devices() -> None:
     wl = mnist(64)
-    with pytest.raises(BackendUnavailable, match="cpu or gpu"):
+    with pytest.raises(BackendUnavailable, match="unknown device 'opencl'; use cpu, gpu"):
         NumpyBackend(wl, "opencl", "reference")
     if importlib.util.find_spec("cupy") is None:
         with pytest.raises(BackendUnavailable, match="CuPy.*not found"):

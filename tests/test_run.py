@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
 from benchbackend import results
+from benchbackend.cli import main
 from conftest import ROOT, cli, requires_tf, requires_torch
 
 pytestmark = pytest.mark.slow
@@ -94,7 +96,8 @@ FAKE_WORKER = """#!/bin/sh
 cat > /dev/null
 echo '{"type": "info", "backend_version": "9.9", "device": "cpu", "mode": "fake", "python": "3"}'
 echo '{"type": "row", "phase": "build", "epoch": 0, "seconds": 0.5, "params": 16938}'
-echo '{"type": "row", "phase": "train_epoch", "epoch": 1, "samples": 64, "seconds": 1.0, "loss": 2.0, "accuracy": 0.2, "val_loss": 2.0, "val_accuracy": 0.2}'
+echo '{"type": "row", "phase": "train_epoch", "epoch": 1, "samples": 64, "seconds": 1.0, "loss": 2.0, '\
+'"accuracy": 0.2, "val_loss": 2.0, "val_accuracy": 0.2}'
 echo "fatal: simulated segfault in kernel" >&2
 kill -9 $$
 """
@@ -104,16 +107,16 @@ def run_with_fake_interpreter(tmp_path, monkeypatch, script: str, repeats: int):
     """A real Runner whose workers are started by ``script`` instead of Python."""
     from benchbackend import plan as planning
     from benchbackend import runner, workload
-    from benchbackend.executors.local import LocalExecutor
+    from benchbackend.executors import local
 
     fake = tmp_path / "fakepython"
     fake.write_text(script)
     fake.chmod(0o755)
-    monkeypatch.setattr(runner, "python_for", lambda spec: str(fake))
+    monkeypatch.setattr(local, "python_for", lambda spec: str(fake))
     w = workload.load("mnist").with_overrides(limit=64, epochs=1)
     plan = planning.RunPlan(workloads=[w], choices=planning.resolve(["numpy"], [], []), repeats=repeats,
-                            data_source="synthetic", output=tmp_path / "c.csv")
-    return runner.Runner(plan, LocalExecutor()).run()
+                            data_source="synthetic")
+    return runner.Runner(plan, local.LocalExecutor(), results.CsvWriter(tmp_path / "c.csv")).run()
 
 
 def test_crashed_worker_keeps_rows_and_stderr_tail(tmp_path, monkeypatch):
@@ -209,9 +212,9 @@ def test_errors_before_measuring_leave_no_results_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nmodel: [\n")
     for args in (["run", str(bad)], ["run", "nope"], ["run", "mnist", "-b", "numpy", "--data", "real",
-                                                      "--data-dir", str(tmp_path / "empty")]):
-        out = cli(*args, "-o", str(tmp_path / "r.csv"), "--no-plots")
-        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+                                                      "--data-dir", str(tmp_path / "empty"), "-q"]):
+        out = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "r.csv"), "--no-plots"])
+        assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
         assert not (tmp_path / "r.csv").exists()
 
 
@@ -248,8 +251,8 @@ def test_workload_names_are_plain_and_match_their_file(tmp_path):
         spec["name"] = name
         path = tmp_path / "evil.yaml"
         path.write_text(yaml.safe_dump(spec))
-        out = cli("run", str(path), "-b", "numpy", "--data", "synthetic")
-        assert out.returncode == 2 and needle in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        out = CliRunner().invoke(main, ["run", str(path), "-b", "numpy", "--data", "synthetic"])
+        assert out.exit_code == 2 and needle in out.output and len(out.output.strip().splitlines()) == 1, out.output
 
 
 def test_diverged_is_judged_against_a_uniform_guess_not_the_first_epoch():

@@ -5,7 +5,6 @@ Tuning uses a tiny trial budget and a per-session cache folder, so the search ru
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -17,15 +16,10 @@ import pytest
 
 from benchbackend import checks
 from benchbackend import workload as W
-from benchbackend.worker import run_job
-from conftest import job_arrays
+from benchbackend.launch import Options
+from conftest import requires, run_cell
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("tvm") is None,
-    reason="Apache TVM is not installed (pip install apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post1 "
-           "psutil cloudpickle xgboost-cpu)")
-
-TARGET = "benchbackend.backends.tvm:TVMBackend"
+pytestmark = requires("tvm")
 TRIALS = 8  # one measured trial per task (7 tasks on mnist): enough to exercise the search
 
 
@@ -34,11 +28,7 @@ def _run(tmp: Path, name: str, mode: str, limit: int = 256, test: int = 0, **opt
     if test:  # --limit keeps 256 test samples; fewer here, and two passes
         w = w.model_copy(update={"data": w.data.model_copy(update={"test": test}),
                                  "inference": w.inference.model_copy(update={"repeats": 2})})
-    rows: list[dict[str, Any]] = []
-    run_job({"workload": w.to_dict(), "backend": "tvm", "target": TARGET, "mode": mode, "precision": "fp32",
-             "device": "cpu", "repeat": 0, "data": job_arrays(tmp, w), "trains": False, "parity_steps": 0,
-             "options": options}, rows.append)
-    return rows
+    return run_cell(tmp, w, "tvm", mode=mode, repeat=0, options=Options(**options))[0]
 
 
 def _phase(rows: list[dict[str, Any]], phase: str) -> list[dict[str, Any]]:
@@ -49,7 +39,8 @@ def _assert_parity(rows: list[dict[str, Any]], name: str) -> None:
     assert not [r for r in rows if r["type"] in ("error", "unavailable")], rows
     (parity,) = _phase(rows, "parity")
     tol = W.load(name).checks.tolerance("fp32")
-    assert checks.parity_mismatch(parity["parity_max_abs"], parity["parity_max_rel"], tol.rtol, tol.atol) is None, parity
+    found = checks.parity_mismatch(parity["parity_max_abs"], parity["parity_max_rel"], tol.rtol, tol.atol)
+    assert found is None, parity
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +62,7 @@ def test_default_mode_matches_the_reference(tmp_path: Path, name: str) -> None:
     rows = _run(tmp_path, name, "default", **({"test": 40} if name == "cifar10" else {}))
     _assert_parity(rows, name)
     (build,) = _phase(rows, "build")
-    assert "target llvm -mcpu=" in build["message"] and "-num-cores=" in build["message"]
+    assert "target llvm -mcpu=" in build["notes"] and "-num-cores=" in build["notes"]
     assert not _phase(rows, "tune"), "default mode searches nothing"
     inference = _phase(rows, "inference")
     n_test = len(np.load(next(tmp_path.glob(f"{name}-*.npz")))["y_test"])  # the arrays job_arrays wrote
@@ -124,7 +115,7 @@ def test_tuned_mode_searches_writes_the_database_and_matches_the_reference(tuned
     (folder,) = (cache / "tvm").iterdir()
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["trials"] == TRIALS and 0 < summary["records"] <= TRIALS
-    assert tune["message"].startswith(f"searched {summary['records']} trials (budget {TRIALS}) over ")
+    assert tune["notes"].startswith(f"searched {summary['records']} trials (budget {TRIALS}) over ")
     assert tune["seconds"] > 0
     records = (folder / "records.json").read_text().splitlines()
     assert len(records) == summary["records"]
