@@ -41,7 +41,6 @@ from .errors import EnvError
 from .paths import configs_dirs, envs_root
 
 
-
 @dataclass(frozen=True)
 class Probe:
     """How to verify an environment: the adapter (``module:Class``) whose device probe must run in
