@@ -113,8 +113,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run mnist -b torch -b numpy --executor ray --address head:6379
       benchbackend run path/to/my_workload.yaml -b tensorflow
     """
-    from . import launch, progress, results, runner
     from . import plan as planning
+    from . import progress, results, runner
 
     try:
         loaded = _workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed)
@@ -130,7 +130,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         writer = results.CsvWriter(out)
     except OSError as exc:
         raise UsageFailure(f"{out}: cannot write results: {exc.strerror}") from None
-    options = launch.Options(threads=threads, steps_per_execution=steps_per_execution, tune_trials=tune_trials,
+    options = planning.Options(threads=threads, steps_per_execution=steps_per_execution, tune_trials=tune_trials,
                              peak_tflops=peak_tflops)
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,

@@ -247,7 +247,7 @@ def probe(name: str, check: Probe, env: Optional[Path] = None, timeout: float = 
     Raises ``EnvError`` with the worker's own error line when the probe fails.
     """
     from .errors import BackendUnavailable
-    from .launch import probe_in
+    from .probe import probe_in
 
     python = _python_in(env or env_dir(name))
     try:

@@ -16,7 +16,8 @@ PROBE_TIMEOUT_S = 120
 
 def probe(spec: backends.BackendSpec) -> dict[str, Any]:
     """``{"version", "devices"}`` from the backend's own interpreter, or ``{"error": ...}``."""
-    from .launch import probe_in, python_for, worker_environ
+    from .launch import python_for, worker_environ
+    from .probe import probe_in
 
     try:
         return probe_in(python_for(spec), spec.target, worker_environ(spec), PROBE_TIMEOUT_S)

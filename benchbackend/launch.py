@@ -23,28 +23,21 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generator, Mapping, Optional
 
 from .backends.spec import BackendSpec, Capabilities
-from .errors import BackendUnavailable
 from .messages import Heartbeat, Info, Message, Outcome, Peak, Row
 from .paths import PACKAGE_PARENT
+from .plan import Options
+from .probe import worker_command
 
 if TYPE_CHECKING:
     from .plan import Cell
     from .workload import Workload
 
+__all__ = ["HEARTBEAT_S", "THREAD_VARS", "Job", "Options", "python_for", "stream", "worker_environ"]
+
 HEARTBEAT_S = 30.0
 #: Thread-count variables every worker gets from ``--threads`` (OpenMP, MKL, OpenBLAS, TensorFlow).
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
-
-
-@dataclass(frozen=True)
-class Options:
-    """Run options that some adapters use; adapters read them as a mapping (``Backend.options``)."""
-
-    threads: Optional[int] = None
-    steps_per_execution: int = 32
-    tune_trials: int = 64
-    peak_tflops: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -126,10 +119,6 @@ def worker_environ(spec: BackendSpec, device: str = "cpu", threads: Optional[int
 def tail(text: str, lines: int = 6, chars: int = 600) -> str:
     kept = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return " | ".join(kept[-lines:])[-chars:]
-
-
-def worker_command(python: str) -> list[str]:
-    return [python, "-m", "benchbackend.worker"]
 
 
 def stream(cell: "Cell", python: str, env: Mapping[str, str], job: Job, timeout: Optional[float] = None,
@@ -247,27 +236,3 @@ def kill(proc: subprocess.Popen) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
-
-
-def probe_in(python: str, backend: str, env: Mapping[str, str], timeout: float) -> dict[str, Any]:
-    """Run ``python -m benchbackend.worker --probe BACKEND``: ``{"version", "devices"}``.
-
-    Raises ``BackendUnavailable`` with one line saying why (the worker's own error, the last
-    stderr line, or the exit status) when the probe cannot run or fails.
-    """
-    try:
-        proc = subprocess.run([*worker_command(python), "--probe", backend], env=dict(env),
-                              capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BackendUnavailable(f"could not run: {str(exc).splitlines()[0]}") from None
-    error = ""
-    for line in proc.stdout.splitlines():
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            continue
-        if proc.returncode == 0 and isinstance(msg, dict) and "devices" in msg:
-            return msg
-        error = (msg.get("message", "") if isinstance(msg, dict) else "") or error
-    stderr = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    raise BackendUnavailable(error or (stderr[-1].strip() if stderr else f"exit status {proc.returncode}"))

@@ -17,10 +17,19 @@ from typing import Iterator, Optional
 
 from . import backends
 from .errors import BackendUnavailable
-from .launch import Options
 from .workload import Workload
 
 ORDERS = ("interleaved", "sequential")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Run options that some adapters use; adapters read them as a mapping (``Backend.options``)."""
+
+    threads: Optional[int] = None
+    steps_per_execution: int = 32
+    tune_trials: int = 64
+    peak_tflops: Optional[float] = None
 
 
 @dataclass(frozen=True)

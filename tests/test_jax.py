@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from benchbackend import checks, data, model, timing, workload
-from benchbackend.launch import Options
+from benchbackend.plan import Options
 from benchbackend.workload import Workload
 from conftest import requires, run_cell
 

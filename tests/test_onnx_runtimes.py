@@ -14,7 +14,7 @@ import pytest
 
 from benchbackend import backends, checks, data, model, workload
 from benchbackend.errors import BackendUnavailable
-from benchbackend.launch import Options
+from benchbackend.plan import Options
 from conftest import have, requires, run_cell
 
 requires_onnx = pytest.mark.skipif(not have("onnx"), reason="onnx is not installed (pip install onnx)")

@@ -16,7 +16,7 @@ import pytest
 
 from benchbackend import checks
 from benchbackend import workload as W
-from benchbackend.launch import Options
+from benchbackend.plan import Options
 from conftest import requires, run_cell
 
 pytestmark = requires("tvm")
