@@ -96,6 +96,7 @@ class Cell:
 
 
 def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, Any]) -> None:
+    from . import truth
     from .backends import reference
     from .checks import parity_errors
 
@@ -114,7 +115,7 @@ def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, A
     order = arrays["orders"][0]
     batch_list = [(arrays["x_train"][order[i * bs:(i + 1) * bs]], arrays["y_train"][order[i * bs:(i + 1) * bs]])
                   for i in range(steps) if i * bs < len(order)]
-    ref_losses = reference.train_losses(workload, weights, batch_list, dtype=np.float64)
+    ref_losses = truth.trajectory(workload, weights, batch_list)
     losses = [float(v) for v in cell.backend.train_steps(batch_list)]
     # Raw values only: checks.trajectory decides, with the workload's tolerance.
     cell.emit({**base, "phase": "parity", "epoch": len(losses), "steps": len(losses), "losses": losses,

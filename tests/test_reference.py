@@ -521,3 +521,24 @@ def test_network_forward_matches_torch_with_nchw_flatten(torch: Any, conv: dict[
     rows = nhwc_to_nchw_rows(z.shape[2], z.shape[3], z.shape[1])
     logits = torch.flatten(z, 1) @ torch.from_numpy(weights[2][rows]) + torch.from_numpy(weights[3])
     np.testing.assert_allclose(Network(net_layers, weights).forward(x), torch.softmax(logits, 1).numpy(), **TIGHT)
+
+
+def test_the_reference_trajectory_is_computed_once_and_kept(tmp_path, monkeypatch) -> None:
+    """The float64 trajectory every backend of a definition is compared with is cached on disk,
+    keyed by what it depends on: the same inputs come back from the cache, other weights do not."""
+    from benchbackend import truth
+
+    monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path))
+    wl = wl_mod.load("mnist").with_overrides(limit=64)
+    weights = initial_weights(wl, 1)
+    rng = np.random.default_rng(0)
+    steps = [(rng.random((8, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, 8)) for _ in range(3)]
+    computed = []
+    real = reference.train_losses
+    monkeypatch.setattr(reference, "train_losses", lambda *a, **k: computed.append(1) or real(*a, **k))
+    first = truth.trajectory(wl, weights, steps)
+    assert first == real(wl, weights, steps) and computed == [1]
+    assert truth.trajectory(wl, weights, steps) == first and computed == [1]  # from the cache
+    other = initial_weights(wl, 2)
+    assert truth.trajectory(wl, other, steps) != first and computed == [1, 1]
+    assert len(list((tmp_path / "reference").glob("*.json"))) == 2
