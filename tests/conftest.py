@@ -12,6 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+#: The ONNX Runtime/OpenVINO tests run in a pytest of their own (tests/test_isolated.py starts it,
+#: setting BENCHBACKEND_ISOLATED): this session does not collect them, rather than skip them.
+collect_ignore = [] if os.environ.get("BENCHBACKEND_ISOLATED") else ["test_onnx_runtimes.py"]
+
 #: CI sets this: a test that would skip because a framework or an isolated environment is missing
 #: fails instead, so that a failed install cannot pass as a green run. GPU and TPU skips stay skips.
 REQUIRE_ALL = os.environ.get("BENCHBACKEND_REQUIRE_ALL") == "1"

@@ -21,7 +21,7 @@ from benchbackend import checks, envs, workload
 from benchbackend.workload import Workload
 from conftest import built_env, make_job
 
-pytestmark = pytest.mark.chainer
+pytestmark = [pytest.mark.chainer, pytest.mark.slow]
 
 TARGET = "benchbackend.backends.chainer:ChainerBackend"
 PROBE = envs.Probe("chainer", TARGET, {})
@@ -97,7 +97,6 @@ def mnist_runs(chainer_env: envs.EnvStatus, tmp_path_factory: pytest.TempPathFac
     return w, {mode: run_cell(chainer_env, w, tmp, mode, parity_steps=16) for mode in ("define-by-run", "static-graph")}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["define-by-run", "static-graph"])
 def test_both_modes_train_ok_with_parity(mnist_runs, mode: str) -> None:
     w, runs = mnist_runs
@@ -115,7 +114,6 @@ def test_both_modes_train_ok_with_parity(mnist_runs, mode: str) -> None:
     assert msgs[-1] == {"type": "done"}
 
 
-@pytest.mark.slow
 def test_static_graph_trains_exactly_as_define_by_run(mnist_runs) -> None:
     _, runs = mnist_runs
     eager, static = (rows(runs[m][0], "train_epoch") for m in ("define-by-run", "static-graph"))
@@ -123,7 +121,6 @@ def test_static_graph_trains_exactly_as_define_by_run(mnist_runs) -> None:
         np.testing.assert_allclose([r[key] for r in static], [r[key] for r in eager], rtol=1e-5, err_msg=key)
 
 
-@pytest.mark.slow
 def test_static_graph_chatter_stays_off_the_protocol(mnist_runs) -> None:
     _, runs = mnist_runs
     msgs, stderr = runs["static-graph"]
@@ -132,7 +129,6 @@ def test_static_graph_chatter_stays_off_the_protocol(mnist_runs) -> None:
     assert "build_schedule" not in runs["define-by-run"][1]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["define-by-run", "static-graph"])
 def test_dropout_and_adam_follow_the_reference(chainer_env: envs.EnvStatus, tmp_path: Path, mode: str) -> None:
     w = with_dropout()
@@ -171,7 +167,6 @@ def test_dropout_draws_a_new_mask_every_step(chainer_env: envs.EnvStatus, mode: 
     assert len(set(losses)) == len(losses), losses
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode,lr,status", [("static-graph", 1e12, "nan_loss"), ("define-by-run", 1e12, "nan_loss"),
                                             ("static-graph", 1e-12, "chance_accuracy")])
 def test_broken_training_is_caught(chainer_env: envs.EnvStatus, tmp_path: Path, mode: str, lr: float,
@@ -199,7 +194,6 @@ def test_gpu_without_cupy_is_unavailable(chainer_env: envs.EnvStatus, tmp_path: 
 
 
 # --- the whole product: CLI and runner ---------------------------------------------------------
-@pytest.mark.slow
 def test_cli_static_graph_run_is_ok_and_quiet(chainer_env: envs.EnvStatus, envs_root: Path, tmp_path: Path) -> None:
     from benchbackend import backends, results
     from conftest import cli

@@ -25,7 +25,8 @@ def test_every_command_has_help(args):
     assert "Usage:" in result.output and len(result.output.splitlines()) > 3
 
 
-@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["list", "--no-probe"], ["list"],
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["list", "--no-probe"],
+                                  pytest.param(["list"], marks=pytest.mark.slow),  # probes every backend
                                   ["compare", str(ROOT / "tests" / "data" / "two-backends.csv")]])
 def test_no_ml_framework_is_imported(args):
     code = (

@@ -17,6 +17,7 @@ LAZY = backends.BackendSpec("lazy", "support.lazy_backend:LazyNumpyBackend", ("n
                             modes=(backends.Mode("reference", "the reference, its device busy after every call"),))
 
 
+@pytest.mark.slow
 def test_timed_regions_include_the_device_work_that_only_sync_waits_for(tmp_path, monkeypatch):
     monkeypatch.setenv("LAZY_DELAY", "0.4")
     w = workload.load("mnist").with_overrides(limit=64, epochs=2)
@@ -27,6 +28,7 @@ def test_timed_regions_include_the_device_work_that_only_sync_waits_for(tmp_path
     assert all(m["seconds"] >= 0.4 for m in timed), [m["seconds"] for m in timed]
 
 
+@pytest.mark.slow
 def test_a_backend_registered_only_in_the_tests_runs_through_benchbackend_run(tmp_path, monkeypatch):
     monkeypatch.setitem(backends.BACKENDS, "lazy", LAZY)
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
@@ -41,6 +43,7 @@ def test_a_backend_registered_only_in_the_tests_runs_through_benchbackend_run(tm
     assert {"build", "parity", "train_epoch", "inference"} <= set(df["phase"])
 
 
+@pytest.mark.slow
 def test_inference_only_runs_build_parity_and_inference(tmp_path):
     out = tmp_path / "inf.csv"
     r = cli("run", "mnist", "-b", "numpy", "--inference-only", "--data", "synthetic", "--limit", "256",
@@ -51,6 +54,7 @@ def test_inference_only_runs_build_parity_and_inference(tmp_path):
     assert set(df["inference_only"].astype(str)) == {"True"}
 
 
+@pytest.mark.slow
 def test_precision_is_a_matrix_dimension(tmp_path):
     out = tmp_path / "p.csv"
     r = cli("run", "mnist", "-b", "numpy", "--precision", "fp32", "--precision", "fp64", "--data", "synthetic",

@@ -20,6 +20,7 @@ from benchbackend.launch import Job
 from benchbackend.worker import run_job
 from conftest import job_arrays, requires, requires_tf, requires_torch
 
+pytestmark = pytest.mark.slow  # every test here starts a framework's worker or trains one
 WORKLOAD = W.load("mnist").with_overrides(limit=512, epochs=1)
 _RUNS: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
 

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # every test here starts a framework's worker or trains one
 ISOLATED = ["onnx_runtimes"]
 
 

@@ -12,7 +12,7 @@ from benchbackend.plan import Options
 from benchbackend.workload import Workload
 from conftest import requires, run_cell
 
-pytestmark = requires("jax")
+pytestmark = [requires("jax"), pytest.mark.slow]
 
 
 def small(name: str = "mnist", limit: int = 640, epochs: int = 1, repeats: int = 1, **training: Any) -> Workload:

@@ -13,6 +13,7 @@ from conftest import backend_params, missing, spawn_cell
 
 #: Each backend and the framework Keras runs on in it.
 FRAMEWORKS = {"keras-jax": "jax", "keras-torch": "torch"}
+pytestmark = pytest.mark.slow  # every test here starts a framework's worker or trains one
 BACKENDS = backend_params(FRAMEWORKS)
 
 

@@ -10,6 +10,7 @@ from benchbackend import checks, results
 from conftest import ROOT, cli
 
 
+@pytest.mark.slow
 def test_batch_size_sweep_is_a_matrix_dimension_with_mfu_on_every_timed_row(tmp_path):
     out = tmp_path / "sweep.csv"
     r = cli("run", "mnist", "-b", "numpy", "--batch-size", "32", "--batch-size", "64", "--peak-tflops", "0.5",
@@ -28,6 +29,7 @@ def test_batch_size_sweep_is_a_matrix_dimension_with_mfu_on_every_timed_row(tmp_
     assert set(timed["peak_source"]) == {"--peak-tflops"}
 
 
+@pytest.mark.slow
 def test_training_rows_count_three_forward_passes_per_sample(tmp_path):
     out = tmp_path / "train.csv"
     r = cli("run", "mnist", "-b", "numpy", "--peak-tflops", "1", "--data", "synthetic", "--limit", "256",
@@ -37,6 +39,7 @@ def test_training_rows_count_three_forward_passes_per_sample(tmp_path):
     assert epoch["achieved_flops"] == pytest.approx(3 * epoch["flops_per_sample"] * epoch["samples_per_s"]), r.stderr
 
 
+@pytest.mark.slow
 def test_time_to_accuracy_is_the_training_time_until_the_target(tmp_path):
     rows = [{"phase": "train_epoch", "epoch": e, "seconds": s, "val_accuracy": a}
             for e, s, a in ((1, 2.0, 0.3), (2, 1.5, 0.6), (3, 1.0, 0.9))]

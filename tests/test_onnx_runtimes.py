@@ -21,7 +21,7 @@ requires_onnx = pytest.mark.skipif(not have("onnx"), reason="onnx is not install
 requires_ort = requires("onnxruntime")
 requires_ov = requires("openvino")
 
-pytestmark = pytest.mark.skipif(os.environ.get("BENCHBACKEND_ISOLATED") != "onnx_runtimes",
+pytestmark = pytest.mark.skipif(os.environ.get("BENCHBACKEND_ISOLATED") != "onnx_runtimes",  # see conftest
                                 reason="runs in its own process: tests/test_isolated.py (OpenVINO segfaulted "
                                        "beside other frameworks in one process)")
 

@@ -7,6 +7,8 @@ import pytest
 from benchbackend import checks, data, model, worker, workload
 from conftest import requires_tf, requires_torch, run_cell
 
+pytestmark = pytest.mark.slow  # every test here starts a framework's worker or trains one
+
 
 def _run(tmp_path, w, backend, parity_steps=0):
     _, rows = run_cell(tmp_path, w, backend, parity_steps=parity_steps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from benchbackend import backends, peaks, results
@@ -34,6 +35,7 @@ def _run(tmp_path, out):
                                      "--limit", "256", "--repeats", "1", "-o", str(out), "--no-plots"])
 
 
+@pytest.mark.slow
 def test_a_peak_shown_too_low_by_a_run_is_flagged_and_probed_again_next_run(tmp_path, monkeypatch):
     monkeypatch.setitem(backends.BACKENDS, "lowpeak", LOW)
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))

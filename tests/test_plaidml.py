@@ -24,7 +24,7 @@ from benchbackend.errors import EnvError
 from benchbackend.workload import Workload
 from conftest import built_env, make_job
 
-pytestmark = pytest.mark.plaidml
+pytestmark = [pytest.mark.plaidml, pytest.mark.slow]
 PROBE = envs.Probe("plaidml", backends.BACKENDS["plaidml"].target, backends.BACKENDS["plaidml"].env("cpu"))
 
 
@@ -183,7 +183,6 @@ def normal_run(plaidml_env: envs.EnvStatus, tmp_path_factory: pytest.TempPathFac
     return w, run_cell(plaidml_env, w, tmp_path_factory.mktemp("normal"), parity_steps=3)
 
 
-@pytest.mark.slow
 def test_forward_matches_the_numpy_reference(normal_run) -> None:
     w, msgs = normal_run
     forward = next(r for r in rows(msgs, "parity") if r["epoch"] == 0)
@@ -192,14 +191,12 @@ def test_forward_matches_the_numpy_reference(normal_run) -> None:
                                   w.checks.parity_atol) is None, forward
 
 
-@pytest.mark.slow
 def test_first_training_steps_follow_the_reference(normal_run) -> None:
     w, msgs = normal_run
     trajectory = checks.trajectory(next(r for r in rows(msgs, "parity") if r["epoch"] > 0), w)
     assert trajectory["steps"] == 3 and trajectory["parity_step"] is None, trajectory
 
 
-@pytest.mark.slow
 def test_normal_tiny_run_is_ok(normal_run) -> None:
     w, msgs = normal_run
     assert info(msgs)["device"] == "llvm_cpu.0" and info(msgs)["mode"] == "keras2"
@@ -214,7 +211,6 @@ def test_normal_tiny_run_is_ok(normal_run) -> None:
     assert msgs[-1] == {"type": "done"}
 
 
-@pytest.mark.slow
 def test_overflowing_run_ends_nan_loss_and_leaves_home_alone(plaidml_env: envs.EnvStatus, tmp_path: Path) -> None:
     w = small(limit=128, epochs=2, lr=1.0e6)  # SGD at 1e6: softmax saturates, log(0) in PlaidML's loss
     home = tmp_path / "home"
@@ -282,7 +278,6 @@ def pocl_env(env: envs.EnvStatus, tmp: Path) -> dict[str, str]:
             "POCL_CACHE_DIR": str(tmp / "pocl-cache")}
 
 
-@pytest.mark.slow
 def test_opencl_path_runs_a_tiny_cell_on_pocl(plaidml_env: envs.EnvStatus, tmp_path: Path) -> None:
     extra = pocl_env(plaidml_env, tmp_path)
     w = small(limit=64, repeats=1)

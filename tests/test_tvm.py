@@ -22,7 +22,7 @@ from benchbackend import workload as W
 from benchbackend.plan import Options
 from conftest import requires, run_cell
 
-pytestmark = requires("tvm")
+pytestmark = [requires("tvm"), pytest.mark.slow]
 TRIALS = 3  # one measured trial per task of TINY: enough to exercise the search
 #: The network the tuning tests search: mnist's data through one dense layer.
 TINY = {"name": "tiny", "seed": 0, "data": {"dataset": "mnist", "train": 256, "validation": 0, "test": 64},
