@@ -42,9 +42,28 @@ def requires(backend: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(missing(backend)), reason=missing(backend))
 
 
-def backend_params(names) -> list:
-    """``names`` as pytest params, each skipped (with the reason) where it cannot run here."""
-    return [pytest.param(n, marks=requires(n)) for n in names]
+def backend_params(names, *, build_isolated: bool = False) -> list:
+    """``names`` as pytest params, each skipped (with the reason) where it cannot run here.
+    ``build_isolated``: a backend of an isolated environment is not skipped for an environment not
+    yet built, since the test builds it (``isolated_env``)."""
+    from benchbackend import backends
+
+    def marks(n):
+        return [] if build_isolated and backends.get(n).isolated_env else requires(n)
+
+    return [pytest.param(n, marks=marks(n)) for n in names]
+
+
+def isolated_env(envs_root: Path, backend: str) -> dict[str, str]:
+    """The worker environment variables under which ``backend`` runs: for a backend of an isolated
+    environment, that environment built (or reused) under ``envs_root`` and named to the CLI."""
+    from benchbackend import backends, envs
+
+    spec = backends.get(backend)
+    if not spec.isolated_env:
+        return {}
+    built_env(envs_root, spec.isolated_env, envs.Probe(spec.name, spec.target, spec.env("cpu")), backend)
+    return {"BENCHBACKEND_ENVS": str(envs_root)}
 
 
 requires_torch = requires("torch")
@@ -142,12 +161,17 @@ def job_arrays(tmp_path: Path, w) -> str:
 def built_env(envs_root: Path, name: str, probe, label: str):
     """The isolated environment ``name`` built (or reused) under ``envs_root``; skips, saying why, where
     it cannot be built here (no package index, no wheel, no venv)."""
+    import fcntl
     from unittest import mock
 
     from benchbackend import envs
     from benchbackend.errors import EnvError
 
-    with mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(envs_root)}):
+    # Two xdist processes may want the same environment at once (a backend's own file and the
+    # contract test): one builds it, the other waits and then reuses it.
+    with open(envs_root / f".{name}.lock", "w") as lock, \
+            mock.patch.dict(os.environ, {"BENCHBACKEND_ENVS": str(envs_root)}):
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             st = envs.setup(name, probe)
         except EnvError as exc:

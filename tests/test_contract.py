@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from benchbackend import backends, results, workload
 from benchbackend.cli import main
-from conftest import ROOT, backend_params, cli, run_cell
+from conftest import ROOT, backend_params, cli, isolated_env, run_cell
 
 LAZY = backends.BackendSpec("lazy", "support.lazy_backend:LazyNumpyBackend", ("numpy",), "numpy", "(test only)",
                             "the NumPy reference on a simulated asynchronous device",
@@ -114,12 +114,13 @@ def test_nchw_weight_conversion_round_trips(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", backend_params(backends.BACKENDS))
-def test_every_registered_backend_runs_an_inference_only_cell_with_parity(name, tmp_path):
-    """Driven by the registry alone: every installed backend, its default mode, fp32, mnist."""
+@pytest.mark.parametrize("name", backend_params(backends.BACKENDS, build_isolated=True))
+def test_every_registered_backend_runs_an_inference_only_cell_with_parity(name, tmp_path, envs_root):
+    """Driven by the registry alone: every installed backend, its default mode, fp32, mnist (an
+    isolated environment is built for it when it is not yet)."""
     out = tmp_path / f"{name}.csv"
     r = cli("run", "mnist", "-b", name, "--inference-only", "--data", "synthetic", "--limit", "256",
-            "--repeats", "1", "-o", str(out), "--no-plots", timeout=1200)
+            "--repeats", "1", "-o", str(out), "--no-plots", timeout=1200, env=isolated_env(envs_root, name))
     df = results.read(out)
     assert r.returncode == 0 and set(df["status"]) == {"ok"}, r.stderr[-2000:]
     assert set(df["phase"]) <= {"build", "tune", "parity", "inference", "run"} and (df.phase == "inference").sum() == 5
