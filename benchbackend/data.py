@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from .errors import DataError
 from . import npz
+from .errors import DataError
 from .synthetic import generate, seed_key
 
 if TYPE_CHECKING:

@@ -15,8 +15,19 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from .layers import (INPUT_NAME, ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool,
-                     MaxPool2D, activation_of)
+from .layers import (
+    INPUT_NAME,
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    MaxPool2D,
+    activation_of,
+)
 
 if TYPE_CHECKING:
     from .workload import Workload

@@ -17,8 +17,22 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from . import paths
 from .errors import WorkloadError
-from .layers import (LAYER_CLASSES, LAYER_TYPES, ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten,
-                     GlobalAvgPool, Layer, MaxPool2D, Strict, activation_of)
+from .layers import (
+    LAYER_CLASSES,
+    LAYER_TYPES,
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    Layer,
+    MaxPool2D,
+    Strict,
+    activation_of,
+)
 
 __all__ = ["ActivationLayer", "Add", "BatchNorm", "Conv2D", "DataSpec", "Dense", "Dropout", "Flatten",
            "GlobalAvgPool", "LAYER_TYPES", "Layer", "MaxPool2D", "TrainingSpec", "WeightDecay", "Workload",
@@ -47,7 +61,8 @@ class DataSpec(_Strict):
     input_shape: Optional[tuple[Annotated[int, Field(gt=0)], ...]] = Field(
         default=None, min_length=1, max_length=3, description="synthetic and npz: one sample's shape (H, W, C)")
     num_classes: Optional[int] = Field(default=None, ge=2, description="synthetic and npz: how many classes")
-    path: Optional[str] = Field(default=None, min_length=1, description="npz: the file (relative: to the YAML's folder)")
+    path: Optional[str] = Field(default=None, min_length=1,
+                                description="npz: the file (relative: to the YAML's folder)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "DataSpec":

@@ -150,10 +150,12 @@ def test_dropout_is_inverted_and_off_in_inference() -> None:
                      {"type": "dense", "units": 3, "activation": "softmax"})
     weights, _ = random_weights(plain, (4, 4, 1), rng)
     x = rng.random((5, 4, 4, 1))
-    np.testing.assert_array_equal(net_of(dropped, (4, 4, 1), weights).forward(x), net_of(plain, (4, 4, 1), weights).forward(x))
+    np.testing.assert_array_equal(net_of(dropped, (4, 4, 1), weights).forward(x),
+                                  net_of(plain, (4, 4, 1), weights).forward(x))
     zero = layers({"type": "flatten"}, {"type": "dropout", "rate": 0.0}, {"type": "dense", "units": 3})
     y = np.eye(3)[[0, 1, 2, 0, 1]]
-    assert float(net_of(zero, (4, 4, 1), weights).loss(x, y, rng=rng)) == float(net_of(zero, (4, 4, 1), weights).loss(x, y))
+    net = net_of(zero, (4, 4, 1), weights)
+    assert float(net.loss(x, y, rng=rng)) == float(net.loss(x, y))
 
 
 def test_softmax_cross_entropy_is_stable_and_fused_gradient_is_p_minus_y() -> None:
@@ -383,8 +385,9 @@ def conv_net(case: dict[str, Any]) -> tuple[Network, np.ndarray]:
     layer = Conv2D(type="conv2d", filters=case["filters"], kernel_size=case["k"], stride=case["stride"],
                    padding=case["padding"], activation=case["activation"])
     rng = np.random.default_rng(case["seed"])
-    weights, _ = random_weights([layer], (case["h"], case["w"], case["c_in"]), rng)
-    return net_of([layer], (case["h"], case["w"], case["c_in"]), weights), rng.standard_normal((case["n"], case["h"], case["w"], case["c_in"]))
+    shape = (case["h"], case["w"], case["c_in"])
+    weights, _ = random_weights([layer], shape, rng)
+    return net_of([layer], shape, weights), rng.standard_normal((case["n"], *shape))
 
 
 def torch_act(torch: Any, z: Any, fn: str) -> Any:
@@ -527,7 +530,8 @@ def test_network_forward_matches_torch_with_nchw_flatten(torch: Any, conv: dict[
     z = torch.nn.functional.max_pool2d(torch_act(torch, z, conv["activation"]), pool)
     rows = nhwc_to_nchw_rows(z.shape[2], z.shape[3], z.shape[1])
     logits = torch.flatten(z, 1) @ torch.from_numpy(weights[2][rows]) + torch.from_numpy(weights[3])
-    np.testing.assert_allclose(net_of(net_layers, in_shape, weights).forward(x), torch.softmax(logits, 1).numpy(), **TIGHT)
+    np.testing.assert_allclose(net_of(net_layers, in_shape, weights).forward(x), torch.softmax(logits, 1).numpy(),
+                               **TIGHT)
 
 
 def test_the_reference_trajectory_is_computed_once_and_kept(tmp_path, monkeypatch) -> None:

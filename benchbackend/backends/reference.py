@@ -30,8 +30,19 @@ import numpy as np
 from ..errors import BackendUnavailable
 from ..graph import INPUT, Graph, Node, resolve
 from ..model import kernel_mask, trainable_mask
-from ..workload import (ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D,
-                        TrainingSpec, Workload)
+from ..workload import (
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    MaxPool2D,
+    TrainingSpec,
+    Workload,
+)
 from . import _numpy_ops as ops
 from .base import Backend, batches, gpu_index
 
