@@ -63,11 +63,12 @@ class Prototypes:
         low -= low.mean(axis=(1, 2, 3), keepdims=True)
         low /= low.std(axis=(1, 2, 3), keepdims=True) + 1e-12  # one contrast for every class
         self.low = low.astype(np.float32)  # (classes, G, G, C)
-        s = _SHIFT
-        rows, cols = _bilinear(h + 2 * s, _GRID), _bilinear(w + 2 * s, _GRID)
+        # A margin of _SHIFT pixels per side, less on small axes (none on an axis of one pixel).
+        sh, sw = (min(_SHIFT, (n - 1) // 4) for n in (h, w))
+        rows, cols = _bilinear(h + 2 * sh, _GRID), _bilinear(w + 2 * sw, _GRID)
         # rows[dy:dy + h] interpolates the crop at vertical shift dy (cols likewise).
-        self.rows = np.stack([rows[d:d + h] for d in range(2 * s + 1)]).astype(np.float32)  # (shifts, H, G)
-        self.cols = np.stack([cols[d:d + w] for d in range(2 * s + 1)]).astype(np.float32)  # (shifts, W, G)
+        self.rows = np.stack([rows[d:d + h] for d in range(2 * sh + 1)]).astype(np.float32)  # (shifts, H, G)
+        self.cols = np.stack([cols[d:d + w] for d in range(2 * sw + 1)]).astype(np.float32)  # (shifts, W, G)
         self.shape = shape
 
     def render(self, classes: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> np.ndarray:
@@ -82,13 +83,13 @@ def split(seed: int, name: str, n: int, protos: Prototypes, num_classes: int) ->
     h, w, c = protos.shape
     x_out = np.empty((n, h, w, c), np.uint8)
     y_out = np.empty(n, np.int64)
-    shifts = 2 * _SHIFT + 1
+    shifts = np.array([len(protos.rows), len(protos.cols)] * 2)
     for lo in range(0, n, _BLOCK):
         m = min(_BLOCK, n - lo)
         rng = np.random.default_rng([seed_key(seed), _TAG_SPLIT[name], lo // _BLOCK])
         y = rng.integers(0, num_classes, _BLOCK)[:m]
         other = ((y + rng.integers(1, num_classes, _BLOCK)[:m]) % num_classes)
-        at = rng.integers(0, shifts, (_BLOCK, 4))[:m]
+        at = rng.integers(0, shifts, (_BLOCK, 4))[:m]  # (dy, dx) of the class, (dy, dx) of the distractor
         gain = (rng.uniform(0.5, 1.5, (_BLOCK, 1)) * rng.uniform(0.7, 1.3, (_BLOCK, c)))[:m].astype(np.float32)
         distract = rng.uniform(0.0, _DISTRACT, _BLOCK)[:m].astype(np.float32)
         offset = rng.uniform(*_OFFSET, _BLOCK)[:m].astype(np.float32)

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..errors import BackendUnavailable
 from ..graph import INPUT as GRAPH_INPUT
 from ..graph import Node, resolve
 from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
@@ -121,7 +122,8 @@ def _node(g: _Graph, node: Node, ins: list[_Value], w: list[np.ndarray]) -> _Val
         elif len({v.flat_from for v in ins}) == 1:
             names = [v.name for v in ins]
         else:
-            raise ValueError(f"{node.label()}: adds flattened images to other features; no ONNX translation")
+            raise BackendUnavailable(f"{node.label()}: adds a flattened image to other features; the ONNX graph "
+                                     "flattens NCHW and cannot")
         return _Value(g.add("Sum", names, tag), nchw=len(node.in_shape) == 3, flat_from=ins[0].flat_from)
     if isinstance(layer, GlobalAvgPool):
         pooled = g.add("GlobalAveragePool", [g.nchw(ins[0])], f"{tag}.pool")
