@@ -108,21 +108,26 @@ def parity_mismatch(max_abs: float, max_rel: float, rtol: float, atol: float) ->
 def trajectory(msg: dict[str, Any], workload: Any) -> dict[str, Any]:
     """The trajectory row (``--parity-steps``) decided from the worker's raw per-step losses.
 
-    Adds ``parity_step`` (the first step whose loss differs from the reference's by more than
-    ``checks.trajectory_rtol``, relative, or is not finite), the largest errors, and ``notes`` that
-    say what was found (the cell's ``run`` row repeats it as the reason when it fails).
+    Adds ``parity_step`` (the first step whose loss differs from the reference's by more than its
+    tolerance, relative, or is not finite), the largest errors, and ``notes`` that say what was
+    found (the cell's ``run`` row repeats it as the reason when it fails). Step k's tolerance is
+    ``checks.trajectory_rtol * checks.trajectory_growth ** (k - 1)``: on a chaotic network correct
+    float32 trajectories part from the float64 reference exponentially, step by step.
     """
     losses, ref = list(msg.get("losses") or []), list(msg.get("reference_losses") or [])
-    rtol = workload.checks.trajectory_rtol
+    rtol, growth = workload.checks.trajectory_rtol, workload.checks.trajectory_growth
+    tols = [rtol * growth ** k for k in range(len(ref))]
     errs = [abs(a - b) for a, b in zip(losses, ref)]
     rels = [e / max(abs(b), 1e-12) for e, b in zip(errs, ref)]
-    first = next((i + 1 for i, (a, r) in enumerate(zip(losses, rels)) if not math.isfinite(a) or r > rtol), None)
+    first = next((i + 1 for i, (a, r, t) in enumerate(zip(losses, rels, tols)) if not math.isfinite(a) or r > t),
+                 None)
     out = {k: v for k, v in msg.items() if k not in ("losses", "reference_losses")}
     out.update(parity_step=first, parity_max_abs=max(errs) if errs else None,
                parity_max_rel=max(rels) if rels else None, steps=len(losses))
-    out["notes"] = (f"{len(losses)} steps agree within {rtol:g}" if first is None else
-                      f"training loss diverges from the reference at step {first}: "
-                      f"{losses[first - 1]:.6g} vs {ref[first - 1]:.6g} (rtol {rtol:g})")
+    within = f"{rtol:g}" if growth == 1.0 else f"{rtol:g} x {growth:g}^(step - 1)"
+    out["notes"] = (f"{len(losses)} steps agree within {within}" if first is None else
+                    f"training loss diverges from the reference at step {first}: "
+                    f"{losses[first - 1]:.6g} vs {ref[first - 1]:.6g} (rtol {tols[first - 1]:.3g})")
     return out
 
 

@@ -147,6 +147,7 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
 
 
 class ChecksSpec(_Strict):
+    LATER: ClassVar[tuple[str, ...]] = ("trajectory_growth",)
     chance_alpha: float = Field(default=0.01, gt=0.0, lt=1.0,
                                 description="one-sided binomial test level against 1/num_classes")
     chance_margin: Optional[float] = Field(default=None, ge=0.0, lt=1.0,
@@ -158,6 +159,9 @@ class ChecksSpec(_Strict):
         default_factory=dict, description="per-precision overrides of the defaults (fp32: parity_rtol/atol)")
     trajectory_rtol: float = Field(default=1e-3, gt=0.0,
                                    description="--parity-steps: relative loss difference allowed per step")
+    trajectory_growth: float = Field(default=1.0, ge=1.0,
+                                     description="--parity-steps: step k allows trajectory_rtol * growth ** (k - 1) "
+                                                 "(a chaotic network's correct trajectories part exponentially)")
     divergence_factor: float = Field(default=1e3, gt=1.0,
                                      description="a finite training loss this many times ln(classes), the "
                                                  "cross-entropy of a uniform guess, is `diverged`")

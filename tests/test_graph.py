@@ -9,7 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from benchbackend import cli, graph, model, workload
+from benchbackend import checks, cli, graph, model, workload
 from benchbackend.errors import WorkloadError
 from conftest import requires
 
@@ -164,3 +164,31 @@ def test_torch_flop_counter_agrees(name):
         net(torch.zeros((1, w.input_shape[2], *w.input_shape[:2])))
     conv_dense = sum(n.flops for n in model.describe(w) if n.kind in ("conv2d", "dense"))
     assert counter.get_total_flops() == conv_dense  # conv and matmul FLOPs (2 per multiply-add)
+
+
+# --- checks for chaotic and batchnorm networks ------------------------------------------------------
+def test_trajectory_tolerance_grows_per_step_when_asked():
+    w = workload.load("resnet20")
+    row = {"phase": "parity", "losses": [2.0, 2.01, 2.2], "reference_losses": [2.0, 2.0, 2.0]}
+    flat = w.model_copy(update={"checks": w.checks.model_copy(update={"trajectory_rtol": 1e-2,
+                                                                      "trajectory_growth": 1.0})})
+    assert checks.trajectory(row, flat)["parity_step"] == 3  # 10% at step 3 > 1e-2
+    grown = flat.model_copy(update={"checks": flat.checks.model_copy(update={"trajectory_growth": 4.0})})
+    assert checks.trajectory(row, grown)["parity_step"] is None  # step 3 allows 1e-2 * 16
+    row["losses"][1] = 2.1  # 5% at step 2 > 4e-2
+    assert checks.trajectory(row, grown)["parity_step"] == 2
+
+
+def epoch_rows(n_epochs: int, steps: int, acc: float, val_acc: float) -> list[dict]:
+    return [{"phase": "train_epoch", "epoch": e, "loss": 1.0, "accuracy": acc, "samples": 256, "steps": steps,
+             "val_accuracy": val_acc, "val_samples": 256} for e in range(1, n_epochs + 1)]
+
+
+def test_chance_check_reads_training_accuracy_while_moving_statistics_are_their_initial_values():
+    w = workload.load("resnet8")  # batchnorm momentum 0.99: after 8 steps 92% of the initial values remain
+    assert checks.cell_status(epoch_rows(1, 8, 0.32, 0.10), w) == ("ok", "")
+    status, msg = checks.cell_status(epoch_rows(1, 8, 0.10, 0.10), w)
+    assert status == "chance_accuracy" and "training accuracy" in msg and "92%" in msg
+    # after 400 steps (2% left) the validation accuracy, which reads the moving statistics, is judged
+    assert checks.cell_status(epoch_rows(2, 200, 0.32, 0.10), w)[0] == "chance_accuracy"
+    assert checks.cell_status(epoch_rows(1, 8, 0.32, 0.10), workload.load("cifar10"))[0] == "chance_accuracy"
