@@ -1,4 +1,5 @@
-"""Datasets: MNIST IDX files and the CIFAR-10 python archive (download, sha256, cache), or synthetic.
+"""Datasets: MNIST IDX files and the CIFAR-10 python archive (download, sha256, cache), generated
+(synthetic) data of any shape, or the user's .npz.
 
 Every source gives the same :class:`Dataset`: uint8 NHWC images and int64 labels. The workload
 says how many samples: the training part is the *first* ``train`` images of the training pool,
@@ -27,7 +28,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
+from . import npz
 from .errors import DataError
+from .synthetic import generate, seed_key
 
 if TYPE_CHECKING:
     from .workload import Workload
@@ -61,7 +64,7 @@ _IDX_IMAGES, _IDX_LABELS = 0x00000803, 0x00000801  # ubyte data, 3 and 1 dimensi
 
 @dataclass
 class Dataset:
-    """The arrays of one run: uint8 NHWC images, int64 labels."""
+    """The arrays of one run: uint8 NHWC images (or float32 arrays from a user's .npz), int64 labels."""
 
     x_train: np.ndarray
     y_train: np.ndarray
@@ -69,7 +72,7 @@ class Dataset:
     y_val: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
-    source: str  # "real" or "synthetic"
+    source: str  # "real", "synthetic" or "npz"
 
     def save(self, path: Any, orders: np.ndarray) -> None:
         """The .npz a worker reads (``worker._load_arrays``): every split, uint8 images and labels as
@@ -96,12 +99,16 @@ def load(workload: Workload, source: str = "auto", data_dir: Optional[Path] = No
     ``source``: ``"real"`` reads the distribution files from ``data_dir`` and downloads missing
     ones (sha256-checked); ``"auto"`` reads them only if all are present and otherwise raises
     (no download, no silent switch to synthetic); ``"synthetic"`` generates data (no files).
+    A workload of ``dataset: synthetic`` is always generated; one of ``dataset: npz`` reads its
+    ``path`` (``auto`` and ``real`` alike).
     """
-    if source == "synthetic":
+    name = workload.data.dataset
+    if source == "synthetic" or name == "synthetic":
         return synthetic(workload)
     if source not in ("auto", "real"):
         raise DataError(f"unknown data source {source!r}; use auto, real or synthetic")
-    name = workload.data.dataset
+    if name == "npz":
+        return Dataset(**npz.read(workload), source="npz")
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     missing = [f for f in FILES[name] if not (root / f).is_file()]
     if missing and source == "auto":
@@ -317,97 +324,19 @@ def _fetch(url: str, root: Path, filename: str, progress: Optional[Progress]) ->
 
 # --- synthetic data ----------------------------------------------------------------------------
 
-# Calibrated so that softmax regression on 512 samples reaches ~0.9 validation accuracy (not 1.0),
-# the mnist workload's CNN (plain SGD, lr 0.01) is above chance after 2 epochs of 512 samples and
-# the cifar10 one (Adam) near 0.9 after one. Class prototypes are smooth random images; a sample
-# is its class's prototype, shifted and scaled (per channel), plus a usually weaker prototype of another
-# class, plus uniform noise, on a dark background (low mean, like MNIST: plain SGD learns faster).
-_BLOCK = 1024  # samples per random stream; sample i never depends on how many are generated
-_SHIFT, _GRID, _AMP, _NOISE, _DISTRACT, _OFFSET = 2, 5, 1.0, 0.3, 0.8, (-0.3, -0.1)
-_TAG_ORDERS, _TAG_PROTOS = 1, 2
-_TAG_SPLIT = {"train": 3, "val": 4, "test": 5}
-
-
-def _seed_key(seed: int) -> int:
-    # SeedSequence needs non-negative entropy; negative seeds map above 2**64, away from real ones.
-    return seed if seed >= 0 else (1 << 64) - seed
-
-
-def _bilinear(n_out: int, n_in: int) -> np.ndarray:
-    pos = np.linspace(0.0, n_in - 1, n_out)
-    lo = np.floor(pos).astype(np.int64)
-    hi = np.minimum(lo + 1, n_in - 1)
-    m = np.zeros((n_out, n_in))
-    np.add.at(m, (np.arange(n_out), lo), 1.0 - (pos - lo))
-    np.add.at(m, (np.arange(n_out), hi), pos - lo)
-    return m
-
-
-def _prototypes(seed: int, shape: tuple[int, int, int], num_classes: int) -> np.ndarray:
-    """(classes, shifts, H, W, C) float32: each class's smooth pattern at every shift."""
-    h, w, c = shape
-    rng = np.random.default_rng([_seed_key(seed), _TAG_PROTOS])
-    low = rng.standard_normal((num_classes, _GRID, _GRID, c))
-    if c > 1:
-        low = low[..., :1] + 0.5 * low  # colour channels share most of their structure, as in photos
-    s = _SHIFT
-    big = np.einsum("hg,kgjc,wj->khwc", _bilinear(h + 2 * s, _GRID), low, _bilinear(w + 2 * s, _GRID))
-    big -= big.mean(axis=(1, 2, 3), keepdims=True)
-    big /= big.std(axis=(1, 2, 3), keepdims=True)
-    crops = [big[:, dy:dy + h, dx:dx + w] for dy in range(2 * s + 1) for dx in range(2 * s + 1)]
-    return np.stack(crops, axis=1).astype(np.float32)
-
-
-def _synthetic_split(seed: int, split: str, n: int, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    k, n_shift, h, w, c = table.shape
-    flat_table = table.reshape(k * n_shift, h, w, c)
-    x_out = np.empty((n, h, w, c), np.uint8)
-    y_out = np.empty(n, np.int64)
-    m = _BLOCK
-    # Buffers reused across blocks: fresh ones per block cost more in page faults than the maths;
-    # take(mode="clip") because the default mode buffers `out` (indices are in range anyway).
-    x, x2, noise = (np.empty((m, h, w, c), np.float32) for _ in range(3))
-    for lo in range(0, n, m):
-        rng = np.random.default_rng([_seed_key(seed), _TAG_SPLIT[split], lo // m])
-        y = rng.integers(0, k, m)
-        other = (y + rng.integers(1, k, m)) % k
-        # Pixel units (0..255) with +0.5 folded into the offset, so clip + cast rounds.
-        gain = (rng.uniform(0.5, 1.5, (m, 1)) * rng.uniform(0.7, 1.3, (m, c)) * (255.0 * _AMP)).astype(np.float32)
-        distract = rng.uniform(0.0, _DISTRACT, (m, 1, 1, 1)) * (255.0 * _AMP)
-        offset = rng.uniform(*_OFFSET, (m, 1, 1, 1)) * 255.0 + (0.5 - 255.0 * _NOISE)
-        np.take(flat_table, y * n_shift + rng.integers(0, n_shift, m), axis=0, out=x, mode="clip")
-        flat = x.reshape(m, h * w, c)
-        for ch in range(c):  # one pass per channel: broadcasting over a size-3 last axis is slow
-            flat[:, :, ch] *= gain[:, ch, None]
-        np.take(flat_table, other * n_shift + rng.integers(0, n_shift, m), axis=0, out=x2, mode="clip")
-        x2 *= distract.astype(np.float32)
-        x += x2
-        x += offset.astype(np.float32)
-        # Uniform noise from random bytes: a third of the cost of Generator.random.
-        np.multiply(np.frombuffer(rng.bytes(x.size), np.uint8).reshape(x.shape),
-                    np.float32(2 * 255.0 * _NOISE / 256), out=noise)
-        x += noise
-        np.clip(x, 0.0, 255.0, out=x)
-        cnt = min(m, n - lo)
-        np.copyto(x_out[lo:lo + cnt], x[:cnt], casting="unsafe")
-        y_out[lo:lo + cnt] = y[:cnt]
-    return x_out, y_out
-
-
 def synthetic(workload: Workload) -> Dataset:
-    """Learnable generated data with the workload's shapes, counts and classes; deterministic by seed.
-
-    Each split has its own random streams in blocks of 1024 samples, so a smaller workload gets a
-    prefix of a larger one's arrays.
-    """
-    table = _prototypes(workload.seed, workload.input_shape, workload.num_classes)
+    """Learnable generated data with the workload's shapes, counts and classes; deterministic by
+    seed (:mod:`benchbackend.synthetic`). A smaller workload gets a prefix of a larger one's arrays."""
     spec = workload.data
-    parts = {s: _synthetic_split(workload.seed, s, n, table)
-             for s, n in (("train", spec.train), ("val", spec.validation), ("test", spec.test))}
+    parts = generate(workload.seed, workload.input_shape, workload.num_classes,
+                     {"train": spec.train, "val": spec.validation, "test": spec.test})
     return Dataset(*parts["train"], *parts["val"], *parts["test"], source="synthetic")
 
 
 # --- helpers for training ----------------------------------------------------------------------
+
+_TAG_ORDERS = 1
+
 
 def epoch_orders(n_train: int, epochs: int, seed: int) -> np.ndarray:
     """(epochs, n_train) int64: row e is the sample order of epoch e.
@@ -417,7 +346,7 @@ def epoch_orders(n_train: int, epochs: int, seed: int) -> np.ndarray:
     """
     if n_train < 0 or epochs < 0:
         raise ValueError(f"n_train and epochs must be >= 0, got {n_train} and {epochs}")
-    rng = np.random.default_rng([_seed_key(seed), _TAG_ORDERS])
+    rng = np.random.default_rng([seed_key(seed), _TAG_ORDERS])
     orders = np.empty((epochs, n_train), dtype=np.int64)
     for e in range(epochs):
         orders[e] = rng.permutation(n_train)
@@ -425,9 +354,12 @@ def epoch_orders(n_train: int, epochs: int, seed: int) -> np.ndarray:
 
 
 def normalize(x: np.ndarray) -> np.ndarray:
-    """uint8 images -> float32 in [0, 1] (x / 255)."""
+    """The network's input: uint8 images -> float32 in [0, 1] (x / 255); float32 arrays (a user's
+    .npz of features) as they are."""
+    if x.dtype == np.float32:
+        return x
     if x.dtype != np.uint8:
-        raise TypeError(f"normalize expects uint8 images, got {x.dtype}")
+        raise TypeError(f"normalize expects uint8 images or float32 arrays, got {x.dtype}")
     out = x.astype(np.float32)
     out /= np.float32(255.0)
     return out

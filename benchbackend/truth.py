@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-_SOURCES = ("backends/reference.py", "backends/_numpy_ops.py", "model.py")
+_SOURCES = ("backends/reference.py", "backends/_numpy_ops.py", "model.py", "graph.py", "layers.py")
 
 
 def _key(workload: Any, weights: Sequence[np.ndarray], batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> str:

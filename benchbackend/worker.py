@@ -95,7 +95,7 @@ class Cell:
         return self.region(lambda: self.backend.scores(x, self.workload.inference.batch_size))
 
 
-def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, Any]) -> None:
+def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, Any], trains: bool = True) -> None:
     from . import truth
     from .backends import reference
     from .checks import parity_errors
@@ -109,6 +109,14 @@ def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, A
     max_abs, max_rel = parity_errors(cell.forward(x), ref)
     cell.emit({**base, "phase": "parity", "epoch": 0, "samples": len(x), "parity_max_abs": max_abs,
                "parity_max_rel": max_rel})
+    if trains and any(layer.type == "batchnorm" for layer in workload.model):
+        # Batchnorm computes differently in a training step (batch statistics): check that mode too.
+        ref = reference.forward(workload, weights, x.astype(np.float64), dtype=np.float64, training=True)
+        b = cell.backend
+        out = b.to_host(b.train_scores(b.to_device(np.ascontiguousarray(x, np.float32))))
+        max_abs, max_rel = parity_errors(np.asarray(out, np.float64), ref)
+        cell.emit({**base, "phase": "parity", "epoch": 0, "samples": len(x), "parity_max_abs": max_abs,
+                   "parity_max_rel": max_rel, "notes": "training mode (batch statistics)"})
     if steps <= 0:
         return
     bs = workload.training.batch_size
@@ -163,7 +171,7 @@ def run_job(job: Job, emit: Emit) -> None:
         emit({**base, "phase": "tune", "epoch": 0, "seconds": seconds, "notes": summary})
 
     parity_steps = job.parity_steps if job.trains else 0
-    _parity(cell, weights, parity_steps, base)
+    _parity(cell, weights, parity_steps, base, job.trains)
     if parity_steps:
         backend.build(weights)  # the trajectory check trained a few steps: start over from the shared weights
         backend.set_data(arrays["x_train"], arrays["y_train"])

@@ -10,100 +10,118 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from . import paths
 from .errors import WorkloadError
+from .layers import (
+    LAYER_CLASSES,
+    LAYER_TYPES,
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    Layer,
+    MaxPool2D,
+    Strict,
+    activation_of,
+)
 
-Activation = Literal["none", "relu", "softmax", "tanh", "sigmoid"]
+__all__ = ["ActivationLayer", "Add", "BatchNorm", "Conv2D", "DataSpec", "Dense", "Dropout", "Flatten",
+           "GlobalAvgPool", "LAYER_TYPES", "Layer", "MaxPool2D", "TrainingSpec", "WeightDecay", "Workload",
+           "available", "load", "parse", "resolve"]
+
+#: The canonical datasets: their shapes, classes and pool sizes. ``synthetic`` and ``npz`` take
+#: ``input_shape`` and ``num_classes`` from the workload instead.
 DATASETS: dict[str, dict[str, Any]] = {
     "mnist": {"input_shape": (28, 28, 1), "num_classes": 10, "train_pool": 60000, "test_pool": 10000},
     "cifar10": {"input_shape": (32, 32, 3), "num_classes": 10, "train_pool": 50000, "test_pool": 10000},
 }
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Conv2D(_Strict):
-    type: Literal["conv2d"]
-    filters: int = Field(gt=0)
-    kernel_size: int = Field(gt=0)
-    stride: int = Field(default=1, gt=0)
-    padding: Literal["same", "valid"] = "same"
-    activation: Activation = "none"
-
-
-class MaxPool2D(_Strict):
-    type: Literal["maxpool2d"]
-    pool_size: int = Field(default=2, gt=0)
-    stride: Optional[int] = Field(default=None, gt=0)
-
-
-class Dropout(_Strict):
-    type: Literal["dropout"]
-    rate: float = Field(ge=0.0, lt=1.0)
-
-
-class Flatten(_Strict):
-    type: Literal["flatten"]
-
-
-class Dense(_Strict):
-    type: Literal["dense"]
-    units: int = Field(gt=0)
-    activation: Activation = "none"
-
-
-class ActivationLayer(_Strict):
-    type: Literal["activation"]
-    function: Activation
-
-
-Layer = Annotated[
-    Union[Conv2D, MaxPool2D, Dropout, Flatten, Dense, ActivationLayer], Field(discriminator="type")
-]
-LAYER_TYPES = ("conv2d", "maxpool2d", "dropout", "flatten", "dense", "activation")
+_Strict = Strict
 
 
 class DataSpec(_Strict):
-    dataset: Literal["mnist", "cifar10"]
+    """Where the samples come from and how many. ``mnist``/``cifar10``: the canonical files (or
+    generated stand-ins with ``--data synthetic``); ``synthetic``: generated, learnable data of
+    ``input_shape`` and ``num_classes``; ``npz``: the user's arrays in ``path`` (``x_train``,
+    ``y_train``, ``x_test``, ``y_test``; optional ``x_val``, ``y_val``)."""
+
+    LATER: ClassVar[tuple[str, ...]] = ("input_shape", "num_classes", "path")
+    dataset: Literal["mnist", "cifar10", "synthetic", "npz"]
     train: int = Field(gt=0, description="training samples taken from the training pool")
     validation: int = Field(ge=0, description="held out from the training pool, after the train part")
     test: int = Field(gt=0, description="test samples, used for inference timing")
+    input_shape: Optional[tuple[Annotated[int, Field(gt=0)], ...]] = Field(
+        default=None, min_length=1, max_length=3, description="synthetic and npz: one sample's shape (H, W, C)")
+    num_classes: Optional[int] = Field(default=None, ge=2, description="synthetic and npz: how many classes")
+    path: Optional[str] = Field(default=None, min_length=1,
+                                description="npz: the file (relative: to the YAML's folder)")
 
     @model_validator(mode="after")
-    def _fits_pool(self) -> "DataSpec":
-        info = DATASETS[self.dataset]
-        if self.train + self.validation > info["train_pool"]:
-            raise ValueError(
-                f"train + validation = {self.train + self.validation} exceeds the "
-                f"{info['train_pool']} training images of {self.dataset}"
-            )
-        if self.test > info["test_pool"]:
-            raise ValueError(f"test = {self.test} exceeds the {info['test_pool']} test images of {self.dataset}")
+    def _consistent(self) -> "DataSpec":
+        if self.dataset in DATASETS:
+            given = [f for f in ("input_shape", "num_classes", "path") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{self.dataset} has its own shape and classes; `{given[0]}` is for "
+                                 "dataset synthetic or npz")
+            info = DATASETS[self.dataset]
+            if self.train + self.validation > info["train_pool"]:
+                raise ValueError(
+                    f"train + validation = {self.train + self.validation} exceeds the "
+                    f"{info['train_pool']} training images of {self.dataset}"
+                )
+            if self.test > info["test_pool"]:
+                raise ValueError(f"test = {self.test} exceeds the {info['test_pool']} test images of {self.dataset}")
+            return self
+        missing = [f for f in ("input_shape", "num_classes") if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"dataset {self.dataset} needs `{missing[0]}`")
+        if (self.dataset == "npz") != (self.path is not None):
+            raise ValueError("dataset npz needs `path` (an .npz file)" if self.dataset == "npz"
+                             else "`path` is for dataset npz")
         return self
 
-    @property
-    def input_shape(self) -> tuple[int, int, int]:
-        return tuple(DATASETS[self.dataset]["input_shape"])  # type: ignore[return-value]
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape: the dataset's own, or ``input_shape``."""
+        return tuple(self.input_shape or DATASETS[self.dataset]["input_shape"])
 
-    @property
-    def num_classes(self) -> int:
-        return int(DATASETS[self.dataset]["num_classes"])
+    def classes(self) -> int:
+        return int(self.num_classes or DATASETS[self.dataset]["num_classes"])
+
+
+class WeightDecay(_Strict):
+    """``l2``: ``rate * sum(kernel ** 2)`` added to the loss for every conv and dense kernel (Keras'
+    ``kernel_regularizer=L2(rate)``; its gradient is ``2 * rate * kernel``). ``decoupled``: before
+    each update, every kernel is scaled by ``1 - lr * rate`` (Keras 3's ``weight_decay``, AdamW).
+    Biases and BatchNorm weights are never decayed."""
+
+    kind: Literal["l2", "decoupled"]
+    rate: float = Field(gt=0.0)
 
 
 class TrainingSpec(_Strict):
+    LATER: ClassVar[tuple[str, ...]] = ("nesterov", "weight_decay")
     optimizer: Literal["sgd", "adam", "rmsprop"]
     lr: float = Field(gt=0.0)
     momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
     loss: Literal["categorical_crossentropy"] = "categorical_crossentropy"
     batch_size: int = Field(gt=0)
     epochs: int = Field(gt=0)
+    nesterov: bool = Field(default=False, description="SGD with momentum: Nesterov's (Keras' formula)")
+    weight_decay: Optional[WeightDecay] = None
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> "TrainingSpec":
+        if self.nesterov and (self.optimizer != "sgd" or not self.momentum):
+            raise ValueError("`nesterov` needs optimizer sgd with a momentum")
+        return self
 
 
 class InferenceSpec(_Strict):
@@ -129,6 +147,7 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
 
 
 class ChecksSpec(_Strict):
+    LATER: ClassVar[tuple[str, ...]] = ("trajectory_growth",)
     chance_alpha: float = Field(default=0.01, gt=0.0, lt=1.0,
                                 description="one-sided binomial test level against 1/num_classes")
     chance_margin: Optional[float] = Field(default=None, ge=0.0, lt=1.0,
@@ -140,6 +159,9 @@ class ChecksSpec(_Strict):
         default_factory=dict, description="per-precision overrides of the defaults (fp32: parity_rtol/atol)")
     trajectory_rtol: float = Field(default=1e-3, gt=0.0,
                                    description="--parity-steps: relative loss difference allowed per step")
+    trajectory_growth: float = Field(default=1.0, ge=1.0,
+                                     description="--parity-steps: step k allows trajectory_rtol * growth ** (k - 1) "
+                                                 "(a chaotic network's correct trajectories part exponentially)")
     divergence_factor: float = Field(default=1e3, gt=1.0,
                                      description="a finite training loss this many times ln(classes), the "
                                                  "cross-entropy of a uniform guess, is `diverged`")
@@ -167,19 +189,18 @@ class Workload(_Strict):
 
     @model_validator(mode="after")
     def _ends_in_softmax(self) -> "Workload":
-        last = self.model[-1]
-        if getattr(last, "activation", getattr(last, "function", "none")) != "softmax":
+        if activation_of(self.model[-1]) != "softmax":
             raise ValueError("`model`: the last layer must end in softmax "
                              "(categorical_crossentropy takes class probabilities)")
         return self
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        return self.data.input_shape
+    def input_shape(self) -> tuple[int, ...]:
+        return self.data.sample_shape()
 
     @property
     def num_classes(self) -> int:
-        return self.data.num_classes
+        return self.data.classes()
 
     def hash(self) -> str:
         """Short content hash of everything that changes what is measured (not the description)."""
@@ -265,8 +286,7 @@ def _allowed_keys(cls: type[BaseModel], loc: tuple[Any, ...], raw: Any) -> list[
         if model is Workload and item == "model":
             continue
         if item in LAYER_TYPES:
-            model = {"conv2d": Conv2D, "maxpool2d": MaxPool2D, "dropout": Dropout, "flatten": Flatten,
-                     "dense": Dense, "activation": ActivationLayer}[item]
+            model = LAYER_CLASSES[item]
             continue
         field = getattr(model, "model_fields", {}).get(item)
         if field is None:
@@ -328,4 +348,8 @@ def load(name_or_path: str) -> Workload:
     w = parse(raw, str(path))
     if w.name != path.stem:
         raise WorkloadError(f"{path}: `name` must match the file name: expected {path.stem!r}; got {w.name!r}")
+    if w.data.path is not None and not Path(w.data.path).expanduser().is_absolute():
+        # The user's .npz sits beside the YAML that names it, wherever the command runs from.
+        where = str((path.parent / w.data.path).resolve())
+        w = w.model_copy(update={"data": w.data.model_copy(update={"path": where})})
     return w

@@ -47,7 +47,8 @@ def _plain_torch(w, weights, x, y, orders):
     ref.build(weights)
     net = copy.deepcopy(ref.net)
     opt = ref.opt.__class__(net.parameters(), **{k: v for k, v in ref.opt.defaults.items()
-                                                 if k in ("lr", "momentum", "betas", "eps", "alpha")})
+                                                 if k in ("lr", "momentum", "nesterov", "betas", "eps", "alpha")})
+    kernels, l2 = net.kernels(), ref.l2
     xt = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
     yt = torch.from_numpy(y)
     bs = w.training.batch_size
@@ -56,6 +57,8 @@ def _plain_torch(w, weights, x, y, orders):
         xe, ye = xt[torch.from_numpy(order)], yt[torch.from_numpy(order)]
         for s in range(0, len(order), bs):
             loss = F.cross_entropy(net(xe[s:s + bs]), ye[s:s + bs])
+            if l2:
+                loss = loss + l2 * sum((k * k).sum() for k in kernels)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -68,12 +71,14 @@ def _plain_tensorflow(w, weights, x, y, orders):
     import keras
     import tensorflow as tf
 
+    from benchbackend.backends.keras_layers import keras3_optimizer
     from benchbackend.backends.tensorflow import TensorFlowBackend
 
     ref = TensorFlowBackend(w, "cpu")
-    model = ref._model()
-    model.set_weights(list(weights))
-    opt = ref._optimizer()
+    net = ref._net()
+    net.set(weights)
+    model = net.model
+    opt = keras3_optimizer(keras, w, net)
     loss_fn = keras.losses.CategoricalCrossentropy()
     nc = w.num_classes
     xt, yt = tf.constant(x), tf.constant(y)
@@ -83,6 +88,8 @@ def _plain_tensorflow(w, weights, x, y, orders):
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = loss_fn(tf.one_hot(yb, nc), model(xb, training=True))
+            if model.losses:
+                loss = loss + tf.add_n(model.losses)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
@@ -101,10 +108,17 @@ def _plain_jax(w, weights, x, y, orders):
     import jax
     import jax.numpy as jnp
 
-    from benchbackend.backends.jax import _init_state, _update, make_forward
+    from benchbackend.backends.jax import _init_state, _update
+    from benchbackend.backends.jax_graph import make_forward
+    from benchbackend.model import kernel_mask
 
     t = w.training
-    logits = make_forward(w)
+    logits, graph = make_forward(w)
+    kernels = kernel_mask(graph)
+    l2 = t.weight_decay.rate if t.weight_decay is not None and t.weight_decay.kind == "l2" else 0.0
+    # Every weight array is differentiated and stepped: batchnorm's moving statistics get zero
+    # gradients, which leave them as they are (their moving-average update, a few element-wise
+    # ops, is left out of this loop).
     params = [jnp.asarray(a) for a in weights]
     opt = _init_state(t.optimizer, t.momentum, params)
     key = jax.random.key(w.seed)
@@ -112,13 +126,14 @@ def _plain_jax(w, weights, x, y, orders):
     bs = w.training.batch_size
 
     def loss_fn(p, xb, yb, k):
-        z = logits(p, xb, k)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), yb[:, None], axis=1))
+        z, _ = logits(p, xb, k, True)
+        loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), yb[:, None], axis=1))
+        return loss + l2 * sum(jnp.sum(a * a) for a, is_k in zip(p, kernels) if is_k) if l2 else loss
 
     @jax.jit
     def step(p, o, xb, yb, k):
         loss, g = jax.value_and_grad(loss_fn)(p, xb, yb, k)
-        p, o = _update(t.optimizer, t.lr, t.momentum, p, g, o)
+        p, o = _update(t.optimizer, t.lr, t.momentum, p, g, o, t.nesterov)
         return p, o, loss
 
     state = {"params": params, "opt": opt, "step": 0}

@@ -4,7 +4,8 @@ workload's ``checks.trajectory_rtol``.
 For each initial-weight seed, K training steps (dropout off, the worker's batches) are run by:
 the NumPy reference in float64 (the yardstick) and in float32, by each named backend's adapter,
 and by deliberately wrong rules computed by the reference (Adam or SGD at 1.05x and 1.1x the
-learning rate; for Adam also torch's epsilon placement). Prints, per implementation, the largest
+learning rate; for Adam also torch's epsilon placement; for Nesterov plain momentum) and wrong
+conventions (no weight decay, twice the L2, torch's batchnorm epsilon). Prints, per implementation, the largest
 relative loss difference from the float64 run over the K steps, per seed. A tolerance is sound
 when it lies above every correct implementation and below the wrong rules it must catch.
 
@@ -50,6 +51,27 @@ def wrong_rules(w: workload.Workload) -> dict[str, ops.Optimizer]:
     out = {name: ops.make_optimizer(spec) for name, spec in scaled.items()}
     if t.optimizer == "adam":
         out["wrong: torch-style epsilon"] = TorchStyleAdam(t.lr)
+    if t.nesterov:
+        out["wrong: plain momentum (no Nesterov)"] = ops.SGD(t.lr, t.momentum)
+    return out
+
+
+def _with(w: workload.Workload, training: dict | None = None, batchnorm: dict | None = None) -> workload.Workload:
+    layers = [layer.model_copy(update=batchnorm) if batchnorm and layer.type == "batchnorm" else layer
+              for layer in w.model]
+    return w.model_copy(update={"model": layers, "training": w.training.model_copy(update=training or {})})
+
+
+def wrong_conventions(w: workload.Workload) -> dict[str, workload.Workload]:
+    """The workload with one convention a framework might keep by default: what the check should see."""
+    out: dict[str, workload.Workload] = {}
+    decay = w.training.weight_decay
+    if decay is not None and decay.kind == "l2":
+        out["wrong: no weight decay"] = _with(w, {"weight_decay": None})
+        out["wrong: L2 x2 (torch's weight_decay=rate)"] = _with(w, {"weight_decay": decay.model_copy(
+            update={"rate": 2 * decay.rate})})
+    if any(layer.type == "batchnorm" for layer in w.model):
+        out["wrong: batchnorm epsilon 1e-5 (torch's)"] = _with(w, batchnorm={"epsilon": 1e-5})
     return out
 
 
@@ -72,6 +94,7 @@ def main() -> None:
           f"trajectory_rtol now {w.checks.trajectory_rtol:g}. Largest relative loss difference "
           f"from the float64 reference, per seed:")
     table: dict[str, list[float]] = {}
+    per_step: dict[str, np.ndarray] = {}  # the largest relative difference at each step, over the seeds
     for seed in range(args.seeds):
         weights = model.initial_weights(w, seed)
         yardstick = np.array(reference.train_losses(w, weights, batches, np.float64))
@@ -83,12 +106,19 @@ def main() -> None:
             runs[name] = adapter.train_steps(batches)
         for name, opt in wrong_rules(w).items():
             runs[name] = reference.train_losses(w, weights, batches, np.float64, opt)
+        for name, variant in wrong_conventions(w).items():
+            runs[name] = reference.train_losses(variant, weights, batches, np.float64)
         for name, losses in runs.items():
             rel = np.abs(np.array(losses) - yardstick) / np.abs(yardstick)
-            table.setdefault(name, []).append(float(np.nanmax(rel)) if np.all(np.isfinite(rel)) else float("inf"))
+            rel = np.where(np.isfinite(rel), rel, np.inf)
+            table.setdefault(name, []).append(float(np.max(rel)))
+            per_step[name] = np.maximum(per_step.get(name, 0.0), rel)
     width = max(len(n) for n in table)
     for name, values in table.items():
         print(f"  {name:<{width}}  max {max(values):8.1e}   " + " ".join(f"{v:7.1e}" for v in values))
+    print("Largest relative difference at each step 1..K, over the seeds:")
+    for name, values in per_step.items():
+        print(f"  {name:<{width}}  " + " ".join(f"{v:7.1e}" for v in values))
 
 
 if __name__ == "__main__":

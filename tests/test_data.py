@@ -426,5 +426,7 @@ def test_normalize() -> None:
     out = data.normalize(x)
     assert out.dtype == np.float32 and out.shape == x.shape
     assert out[0, 0] == 0.0 and out[0, 3] == 1.0 and abs(out[0, 2] - 128 / 255) < 1e-7
+    floats = np.array([[0.5, -2.0]], np.float32)  # a user's .npz of float features: as they are
+    assert data.normalize(floats) is floats
     with pytest.raises(TypeError):
-        data.normalize(x.astype(np.float32))
+        data.normalize(x.astype(np.int64))

@@ -20,6 +20,7 @@ from benchbackend.backends import reference
 from benchbackend.backends.reference import Network, NumpyBackend
 from benchbackend.checks import chance_accuracy, parity_errors
 from benchbackend.errors import BackendUnavailable
+from benchbackend.graph import resolve_layers
 from benchbackend.model import conv_out, initial_weights, nhwc_to_nchw_rows, param_count, same_pads
 from benchbackend.workload import Conv2D, Dense, Flatten, Layer, MaxPool2D
 
@@ -54,6 +55,12 @@ def random_weights(net_layers: Sequence[Any], in_shape: tuple[int, ...], rng: np
             weights += [rng.standard_normal((shape[0], layer.units)) * 0.5, rng.standard_normal(layer.units) * 0.1]
             shape = (layer.units,)
     return weights, shape
+
+
+def net_of(net_layers: Sequence[Any], in_shape: Sequence[int], weights: Sequence[np.ndarray], l2: float = 0.0
+           ) -> Network:
+    """The reference network of ``net_layers`` on samples of ``in_shape``."""
+    return Network(resolve_layers(net_layers, tuple(in_shape)), weights, l2)
 
 
 def numeric_grad(f: Callable[[], float], w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
@@ -101,7 +108,7 @@ def test_gradients_match_finite_differences(name: str) -> None:
     in_shape, net_layers = GRAD_NETS[name]
     rng = np.random.default_rng(1)
     weights, (classes,) = random_weights(net_layers, in_shape, rng)
-    net = Network(net_layers, weights)
+    net = net_of(net_layers, in_shape, weights)
     x = rng.random((3, *in_shape))
     y = np.eye(classes)[rng.integers(0, classes, 3)]
     loss, grads, _ = net.loss_and_grads(x, y)
@@ -122,7 +129,7 @@ def test_dropout_gradient_with_a_fixed_mask() -> None:
         {"type": "dense", "units": 3, "activation": "softmax"})
     rng = np.random.default_rng(2)
     weights, _ = random_weights(net_layers, in_shape, rng)
-    net = Network(net_layers, weights)
+    net = net_of(net_layers, in_shape, weights)
     x, y = rng.random((4, *in_shape)), np.eye(3)[[0, 1, 2, 0]]
     mask_rng = lambda: np.random.default_rng(7)  # noqa: E731  (the same masks on every call)
     _, grads, _ = net.loss_and_grads(x, y, rng=mask_rng())
@@ -143,10 +150,12 @@ def test_dropout_is_inverted_and_off_in_inference() -> None:
                      {"type": "dense", "units": 3, "activation": "softmax"})
     weights, _ = random_weights(plain, (4, 4, 1), rng)
     x = rng.random((5, 4, 4, 1))
-    np.testing.assert_array_equal(Network(dropped, weights).forward(x), Network(plain, weights).forward(x))
+    np.testing.assert_array_equal(net_of(dropped, (4, 4, 1), weights).forward(x),
+                                  net_of(plain, (4, 4, 1), weights).forward(x))
     zero = layers({"type": "flatten"}, {"type": "dropout", "rate": 0.0}, {"type": "dense", "units": 3})
     y = np.eye(3)[[0, 1, 2, 0, 1]]
-    assert float(Network(zero, weights).loss(x, y, rng=rng)) == float(Network(zero, weights).loss(x, y))
+    net = net_of(zero, (4, 4, 1), weights)
+    assert float(net.loss(x, y, rng=rng)) == float(net.loss(x, y))
 
 
 def test_softmax_cross_entropy_is_stable_and_fused_gradient_is_p_minus_y() -> None:
@@ -155,7 +164,7 @@ def test_softmax_cross_entropy_is_stable_and_fused_gradient_is_p_minus_y() -> No
     mean, per_sample, probs = ops.softmax_cross_entropy(logits, y)
     np.testing.assert_allclose(per_sample, [1000.0, math.log(3)])
     assert float(mean) == pytest.approx((1000 + math.log(3)) / 2)
-    net = Network(layers({"type": "dense", "units": 3, "activation": "softmax"}), [np.eye(3), np.zeros(3)])
+    net = net_of(layers({"type": "dense", "units": 3, "activation": "softmax"}), (3,), [np.eye(3), np.zeros(3)])
     _, grads, _ = net.loss_and_grads(logits, y)
     np.testing.assert_allclose(grads[1], (probs - y).sum(axis=0) / 2)
 
@@ -376,8 +385,9 @@ def conv_net(case: dict[str, Any]) -> tuple[Network, np.ndarray]:
     layer = Conv2D(type="conv2d", filters=case["filters"], kernel_size=case["k"], stride=case["stride"],
                    padding=case["padding"], activation=case["activation"])
     rng = np.random.default_rng(case["seed"])
-    weights, _ = random_weights([layer], (case["h"], case["w"], case["c_in"]), rng)
-    return Network([layer], weights), rng.standard_normal((case["n"], case["h"], case["w"], case["c_in"]))
+    shape = (case["h"], case["w"], case["c_in"])
+    weights, _ = random_weights([layer], shape, rng)
+    return net_of([layer], shape, weights), rng.standard_normal((case["n"], *shape))
 
 
 def torch_act(torch: Any, z: Any, fn: str) -> Any:
@@ -474,7 +484,7 @@ def test_maxpool_forward_matches_tensorflow(tf: Any, case: dict[str, Any]) -> No
     x = np.random.default_rng(case["seed"]).standard_normal((case["n"], case["h"], case["w"], case["c"]))
     layer = MaxPool2D(type="maxpool2d", pool_size=case["pool"], stride=case["stride"])
     expected = tf.nn.max_pool2d(f64(tf, x), case["pool"], case["stride"] or case["pool"], "VALID").numpy()
-    np.testing.assert_array_equal(Network([layer], []).forward(x), expected)
+    np.testing.assert_array_equal(net_of([layer], x.shape[1:], []).forward(x), expected)
 
 
 @st.composite
@@ -492,7 +502,7 @@ def test_dense_forward_matches_torch_and_tensorflow(torch: Any, tf: Any, case: d
     rng = np.random.default_rng(case["seed"])
     (w, b), _ = random_weights([layer], (case["d_in"],), rng)
     x = rng.standard_normal((case["n"], case["d_in"]))
-    ours = Network([layer], [w, b]).forward(x)
+    ours = net_of([layer], (case["d_in"],), [w, b]).forward(x)
     z = torch.nn.functional.linear(torch.from_numpy(x), torch.from_numpy(w.T.copy()), torch.from_numpy(b))
     np.testing.assert_allclose(ours, torch_act(torch, z, case["activation"]).numpy(), **TIGHT)
     z = tf.matmul(f64(tf, x), f64(tf, w)) + f64(tf, b)
@@ -520,7 +530,8 @@ def test_network_forward_matches_torch_with_nchw_flatten(torch: Any, conv: dict[
     z = torch.nn.functional.max_pool2d(torch_act(torch, z, conv["activation"]), pool)
     rows = nhwc_to_nchw_rows(z.shape[2], z.shape[3], z.shape[1])
     logits = torch.flatten(z, 1) @ torch.from_numpy(weights[2][rows]) + torch.from_numpy(weights[3])
-    np.testing.assert_allclose(Network(net_layers, weights).forward(x), torch.softmax(logits, 1).numpy(), **TIGHT)
+    np.testing.assert_allclose(net_of(net_layers, in_shape, weights).forward(x), torch.softmax(logits, 1).numpy(),
+                               **TIGHT)
 
 
 def test_the_reference_trajectory_is_computed_once_and_kept(tmp_path, monkeypatch) -> None:

@@ -105,3 +105,54 @@ def test_the_jax_adapter_steps_as_keras(optimizer, lr, momentum):
         params, state = step(params, [jnp.asarray(g)], state)
     want = reference_params(ops.make_optimizer(spec(optimizer, lr, momentum).training), p0, grads)
     assert close(np.asarray(params[0]), want, lr) < 1e-3
+
+
+def nesterov_spec(lr: float = 0.05, momentum: float = 0.9, decay: dict | None = None) -> workload.Workload:
+    w = workload.load("mnist")
+    return w.model_copy(update={"training": w.training.model_copy(update={
+        "optimizer": "sgd", "lr": lr, "momentum": momentum, "nesterov": True,
+        "weight_decay": None if decay is None else workload.WeightDecay(**decay)})})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")
+@pytest.mark.parametrize("decay", [None, {"kind": "decoupled", "rate": 0.5}])
+def test_torch_nesterov_and_decoupled_decay_step_as_keras(decay):
+    import torch
+
+    from benchbackend.backends.torch import TorchBackend
+
+    w = nesterov_spec(decay=decay)
+    b = TorchBackend(w, "cpu", "eager", "fp32", {})
+    b.build(model.initial_weights(w))
+    params = b.opt.param_groups[0]["params"]
+    p, p0 = params[0], params[0].detach().numpy().copy()  # the first conv kernel (OIHW)
+    grads = gradients(p.shape, 0)
+    for g in grads:
+        for q in params:
+            q.grad = torch.zeros_like(q)
+        p.grad = torch.from_numpy(g)
+        b._decay()
+        b.opt.step()
+    ref, want = ops.make_optimizer(w.training), p0.copy()
+    for g in grads:
+        if decay:
+            ops.decay_decoupled([want], w.training.lr, decay["rate"])
+        ref.step([want], [g])
+    assert close(p.detach().numpy(), want, w.training.lr) < 1e-3
+    plain = reference_params(ops.SGD(0.05, 0.9), p0, grads)  # the control: momentum without Nesterov
+    assert close(plain, want, w.training.lr) > 1e-2  # measured 0.098: a hundred times the tolerance
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="JAX is not installed")
+def test_the_jax_nesterov_steps_as_keras():
+    import jax.numpy as jnp
+
+    from benchbackend.backends import jax as jb
+
+    p0 = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+    grads = gradients(p0.shape, 0)
+    params, state = [jnp.asarray(p0)], jb._init_state("sgd", 0.9, [jnp.asarray(p0)])
+    for g in grads:
+        params, state = jb._update("sgd", 0.05, 0.9, params, [jnp.asarray(g)], state, nesterov=True)
+    want = reference_params(ops.SGD(0.05, 0.9, nesterov=True), p0, grads)
+    assert close(np.asarray(params[0]), want, 0.05) < 1e-3

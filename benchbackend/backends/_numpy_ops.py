@@ -12,7 +12,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
-from ..model import same_pads
+from ..graph import resolve_pads
 from ..workload import TrainingSpec
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -51,30 +51,42 @@ def _scatter(taps: Array, shape: tuple[int, ...], k: int, stride: int) -> Array:
 
 
 # --- layers ----------------------------------------------------------------------------------
-def conv2d(x: Array, w: Array, b: Array, stride: int, padding: str) -> tuple[Array, tuple]:
-    """NHWC x HWIO convolution (cross-correlation, as every framework computes it) via im2col."""
+Pads = tuple[tuple[int, int], tuple[int, int]]
+
+
+def _pads(padding: Any, x: Array, k: int, stride: int) -> Pads:
+    """``padding`` in any layer form (``same``, ``valid``, int, pairs) for an NHWC ``x``."""
+    return resolve_pads(padding, x.shape[1], x.shape[2], k, stride)
+
+
+def conv2d(x: Array, w: Array, b: Optional[Array], stride: int, padding: Any) -> tuple[Array, tuple]:
+    """NHWC x HWIO convolution (cross-correlation, as every framework computes it) via im2col.
+    ``padding``: ``same`` (TensorFlow's), ``valid``, an int or ((top, bottom), (left, right));
+    ``b`` None: no bias."""
     xp = get_array_module(x)
     n, h, wd, c = x.shape
     k, f = w.shape[0], w.shape[3]
-    if padding == "same":
-        (pt, pb), (pl, pr) = same_pads(h, k, stride), same_pads(wd, k, stride)
+    (pt, pb), (pl, pr) = _pads(padding, x, k, stride)
+    if pt or pb or pl or pr:
         x = xp.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)))
-    else:
-        pt = pl = 0
     ho, wo = (x.shape[1] - k) // stride + 1, (x.shape[2] - k) // stride + 1
     cols = _gather(x, k, stride, ho, wo, axis=3).reshape(n * ho * wo, k * k * c)
-    out = (cols @ w.reshape(k * k * c, f) + b).reshape(n, ho, wo, f)
-    return out, (cols, w, stride, x.shape, (pt, pl), (h, wd))
+    out = cols @ w.reshape(k * k * c, f)
+    if b is not None:
+        out += b
+    return out.reshape(n, ho, wo, f), (cols, w, stride, x.shape, (pt, pl), (h, wd), b is not None)
 
 
-def conv2d_backward(g: Array, cache: tuple, need_dx: bool = True) -> tuple[Optional[Array], Array, Array]:
-    """(dx, dw, db); ``dx`` is None when not needed (the first layer), which saves the col2im."""
-    cols, w, stride, padded_shape, (pt, pl), (h, wd) = cache
+def conv2d_backward(g: Array, cache: tuple, need_dx: bool = True
+                    ) -> tuple[Optional[Array], Array, Optional[Array]]:
+    """(dx, dw, db); ``dx`` is None when not needed (the first layer), which saves the col2im;
+    ``db`` is None for a convolution without bias."""
+    cols, w, stride, padded_shape, (pt, pl), (h, wd), has_bias = cache
     n, ho, wo, f = g.shape
     k, c = w.shape[0], w.shape[2]
     g2 = g.reshape(n * ho * wo, f)
     dw = (cols.T @ g2).reshape(w.shape)
-    db = g2.sum(axis=0)
+    db = g2.sum(axis=0) if has_bias else None
     if not need_dx:
         return None, dw, db
     # col2im one tap at a time: each (N*Ho*Wo, C) product is contiguous, which makes the strided
@@ -86,21 +98,66 @@ def conv2d_backward(g: Array, cache: tuple, need_dx: bool = True) -> tuple[Optio
     return dx[:, pt:pt + h, pl:pl + wd, :], dw, db
 
 
-def maxpool2d(x: Array, pool: int, stride: int) -> tuple[Array, tuple]:
-    """'valid' max pooling (the Keras default); remembers the first maximum of each window."""
+def maxpool2d(x: Array, pool: int, stride: int, padding: Any = "valid") -> tuple[Array, tuple]:
+    """Max pooling (Keras' default: 'valid', stride = pool size); pads are -inf, so they never win
+    a max. Remembers the first maximum of each window."""
+    xp = get_array_module(x)
     n, h, w, c = x.shape
-    ho, wo = (h - pool) // stride + 1, (w - pool) // stride + 1
+    (pt, pb), (pl, pr) = _pads(padding, x, pool, stride)
+    if pt or pb or pl or pr:
+        x = xp.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=-xp.inf)
+    ho, wo = (x.shape[1] - pool) // stride + 1, (x.shape[2] - pool) // stride + 1
     windows = _gather(x, pool, stride, ho, wo, axis=0)  # (p*p, N, Ho, Wo, C)
     arg = windows.argmax(axis=0)
-    return windows.max(axis=0), (arg, x.shape, pool, stride)
+    return windows.max(axis=0), (arg, x.shape, pool, stride, (pt, pl), (h, w))
 
 
 def maxpool2d_backward(g: Array, cache: tuple) -> Array:
     """Routes each output's gradient to its window's argmax (ties: the first in row-major order, as torch)."""
     xp = get_array_module(g)
-    arg, shape, pool, stride = cache
+    arg, shape, pool, stride, (pt, pl), (h, w) = cache
     hit = arg[None] == xp.arange(pool * pool).reshape(-1, 1, 1, 1, 1)
-    return _scatter(hit * g[None], shape, pool, stride)
+    return _scatter(hit * g[None], shape, pool, stride)[:, pt:pt + h, pl:pl + w, :]
+
+
+def batchnorm_train(x: Array, gamma: Array, beta: Array, epsilon: float) -> tuple[Array, tuple, Array, Array]:
+    """Training-mode batch normalization over every axis but the last: (output, cache, batch mean,
+    batch variance). The variance is the biased one (divided by the count), as Keras uses it."""
+    axes = tuple(range(x.ndim - 1))
+    mean = x.mean(axis=axes)
+    var = ((x - mean) ** 2).mean(axis=axes)
+    inv = 1.0 / get_array_module(x).sqrt(var + epsilon)
+    xhat = (x - mean) * inv
+    return xhat * gamma + beta, (xhat, inv, gamma), mean, var
+
+
+def batchnorm_train_backward(g: Array, cache: tuple) -> tuple[Array, Array, Array]:
+    """(dx, dgamma, dbeta) through the batch statistics."""
+    xhat, inv, gamma = cache
+    axes = tuple(range(g.ndim - 1))
+    dxhat = g * gamma
+    dx = inv * (dxhat - dxhat.mean(axis=axes) - xhat * (dxhat * xhat).mean(axis=axes))
+    return dx, (g * xhat).sum(axis=axes), g.sum(axis=axes)
+
+
+def batchnorm_infer(x: Array, gamma: Array, beta: Array, mean: Array, var: Array, epsilon: float) -> Array:
+    """Inference-mode batch normalization with the moving statistics."""
+    return (x - mean) / get_array_module(x).sqrt(var + epsilon) * gamma + beta
+
+
+def moving_update(moving: Array, batch: Array, momentum: float) -> None:
+    """Keras' moving average, in place: ``moving = momentum * moving + (1 - momentum) * batch``."""
+    moving *= momentum
+    moving += (1 - momentum) * batch
+
+
+def global_avgpool(x: Array) -> Array:
+    return x.mean(axis=(1, 2))
+
+
+def global_avgpool_backward(g: Array, shape: tuple[int, ...]) -> Array:
+    xp = get_array_module(g)
+    return xp.broadcast_to((g / (shape[1] * shape[2]))[:, None, None, :], shape).copy()
 
 
 def dense(x: Array, w: Array, b: Array) -> tuple[Array, tuple]:
@@ -179,10 +236,11 @@ class Optimizer(Protocol):
 
 
 class SGD:
-    """Keras SGD: ``v = momentum * v - lr * g; w += v`` (plain ``w -= lr * g`` without momentum)."""
+    """Keras SGD: ``v = momentum * v - lr * g; w += v`` (plain ``w -= lr * g`` without momentum);
+    Nesterov: ``w += momentum * v - lr * g`` with the new ``v``."""
 
-    def __init__(self, lr: float, momentum: float = 0.0):
-        self.lr, self.momentum = lr, momentum
+    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False):
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.velocity: Optional[list[Array]] = None
 
     def step(self, params: Sequence[Array], grads: Sequence[Array]) -> None:
@@ -195,7 +253,10 @@ class SGD:
         for p, g, v in zip(params, grads, self.velocity):
             v *= self.momentum
             v -= self.lr * g
-            p += v
+            if self.nesterov:
+                p += self.momentum * v - self.lr * g
+            else:
+                p += v
 
 
 def keras_adam_step_size(lr: float, beta_1: float, beta_2: float, t: int) -> float:
@@ -255,11 +316,23 @@ class RMSprop:
 
 
 def make_optimizer(training: TrainingSpec) -> Optimizer:
-    """The workload's optimizer with Keras 3 defaults; ``momentum`` applies to SGD only."""
+    """The workload's optimizer with Keras 3 defaults; ``momentum`` and ``nesterov`` apply to SGD only."""
     if training.optimizer == "sgd":
-        return SGD(training.lr, training.momentum)
+        return SGD(training.lr, training.momentum, training.nesterov)
     if training.optimizer == "adam":
         return Adam(training.lr)
     if training.optimizer == "rmsprop":
         return RMSprop(training.lr)
     raise ValueError(f"unknown optimizer {training.optimizer!r}")
+
+
+# --- weight decay (``training.weight_decay``) --------------------------------------------------
+def l2_penalty(kernels: Sequence[Array], rate: float) -> Array:
+    """Keras' ``L2(rate)`` kernel regularizer summed over ``kernels``: ``rate * sum(k ** 2)``."""
+    return sum(rate * (k * k).sum() for k in kernels)
+
+
+def decay_decoupled(kernels: Sequence[Array], lr: float, rate: float) -> None:
+    """Keras 3's ``weight_decay`` (AdamW's), applied before the update: ``k -= k * rate * lr``, in place."""
+    for k in kernels:
+        k -= k * (rate * lr)

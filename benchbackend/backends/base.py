@@ -27,7 +27,9 @@ The worker (``benchbackend.worker``) drives an adapter through one repeat of one
 8. ``to_host(value)``: a NumPy array or Python float for a value ``scores``/``train_epoch``
    returned. ``sync()``: wait until the device is idle.
 9. ``train_steps(batches)``: optional; losses of the first K steps with dropout off, for the
-   trajectory check (``--parity-steps``).
+   trajectory check (``--parity-steps``). ``train_scores(x)``: probabilities of a training-mode
+   forward pass (batchnorm on batch statistics, dropout off, nothing updated), for the
+   training-mode parity of networks with batchnorm.
 
 The worker ends every timed region itself: adapter call, ``to_host`` on what it returned,
 ``sync()``, then the clock (see :func:`benchbackend.timing.timed_region`). An adapter cannot
@@ -120,6 +122,13 @@ class Backend(ABC):
 
     def sync(self) -> None:
         """Block until every queued device operation has finished."""
+
+    def train_scores(self, x: Any) -> Any:
+        """Class probabilities of a *training-mode* forward pass on ``x`` (from ``to_device``):
+        batchnorm on the batch's statistics, dropout off, no state changed (the moving statistics
+        stay as they are). The worker checks it against the reference for networks with batchnorm,
+        beside the inference-mode parity. Every backend that trains implements it."""
+        raise NotImplementedError(f"{self.name} has no training mode")
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         """Loss of each of the first K training steps on these batches, dropout disabled."""

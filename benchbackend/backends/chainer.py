@@ -14,100 +14,27 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import chainer
 import chainer.functions as F
-import chainer.links as L
 import numpy as np
 from chainer.backends import cuda, intel64
 
 from ..errors import BackendUnavailable
-from ..model import describe, final_softmax, from_nchw_weights, same_pads, to_nchw_weights
-from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from ..graph import resolve
+from ..model import final_softmax, from_nchw_weights, to_nchw_weights
+from ..workload import Workload
 from .base import Backend, gpu_index
-
-_ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
-    "relu": F.relu, "tanh": F.tanh, "sigmoid": F.sigmoid, "softmax": lambda h: F.softmax(h, axis=1)}
+from .chainer_graph import GraphChain, KerasNesterov
 
 
-def _nchw_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return (shape[2], shape[0], shape[1]) if len(shape) == 3 else shape
-
-
-class _Net(chainer.Chain):
-    """The workload's layers as links and functions; ``__call__`` returns the logits.
-
-    Dropout comes in two forms. Define-by-run uses ``F.dropout``. Under ``static_graph`` a
-    replayed schedule re-runs each function's ``forward`` on the *same* FunctionNode, and
-    ``F.dropout`` keeps the mask it drew first: every later step would drop the same units. So
-    in static-graph mode the masks are drawn outside the static chain each step and passed in as
-    inputs (the schedule copies new inputs in); in test mode no masks are passed and dropout is
-    the identity.
-    """
+class _Net(GraphChain):
+    """The graph chain; ``forward`` runs its body define-by-run, or under ``static_graph``."""
 
     def __init__(self, workload: Workload, static: bool):
-        super().__init__()
+        super().__init__(resolve(workload))
         self.static = static
-        self.ops: list[Callable[[Any, Iterator[Any]], Any]] = []
-        #: (rate, NCHW shape per sample) of each dropout layer, in order.
-        self.dropouts: list[tuple[float, tuple[int, ...]]] = []
-        layers = list(workload.model)
-        with self.init_scope():
-            for i, (layer, info) in enumerate(zip(layers, describe(workload))):
-                last = i == len(layers) - 1
-                if isinstance(layer, Conv2D):
-                    link = L.Convolution2D(info.in_shape[2], layer.filters, layer.kernel_size, layer.stride, pad=0)
-                    setattr(self, f"l{i}", link)
-                    self.ops.append(self._conv(link, layer, info.in_shape))
-                    self._activation(layer.activation, last)
-                elif isinstance(layer, Dense):
-                    link = L.Linear(info.in_shape[0], layer.units)
-                    setattr(self, f"l{i}", link)
-                    self.ops.append(lambda h, masks, link=link: link(h))  # Linear flattens NCHW itself
-                    self._activation(layer.activation, last)
-                elif isinstance(layer, MaxPool2D):
-                    size, stride = layer.pool_size, layer.stride or layer.pool_size
-                    # cover_all=False: Keras' 'valid' pooling drops a partial window; Chainer's default keeps it.
-                    self.ops.append(lambda h, masks, k=size, s=stride: F.max_pooling_2d(h, k, s, cover_all=False))
-                elif isinstance(layer, Dropout):
-                    self.dropouts.append((layer.rate, _nchw_shape(info.in_shape)))
-                    self.ops.append(self._dropout(layer.rate))
-                elif isinstance(layer, ActivationLayer):
-                    self._activation(layer.function, last)
-                elif isinstance(layer, Flatten):
-                    pass  # NCHW stays 4-D: Linear flattens it, and the shared kernels' rows are permuted to match
-        self.weighted = [getattr(self, f"l{i}") for i, layer in enumerate(layers) if isinstance(layer, (Conv2D, Dense))]
-
-    def _conv(self, link: L.Convolution2D, layer: Conv2D, in_shape: tuple[int, ...]) -> Callable[[Any, Any], Any]:
-        if layer.padding != "same":
-            return lambda h, masks: link(h)
-        ph = same_pads(in_shape[0], layer.kernel_size, layer.stride)
-        pw = same_pads(in_shape[1], layer.kernel_size, layer.stride)
-        if ph[0] == ph[1] and pw[0] == pw[1]:
-            link.pad = (ph[0], pw[0])
-            return lambda h, masks: link(h)
-        # TF puts the odd pixel after; Chainer pads symmetrically.
-        widths = ((0, 0), (0, 0), ph, pw)
-        return lambda h, masks: link(F.pad(h, widths, "constant"))
-
-    def _activation(self, name: str, last: bool) -> None:
-        if name != "none" and not (name == "softmax" and last):  # a final softmax is fused into the loss
-            self.ops.append(lambda h, masks, f=_ACTIVATIONS[name]: f(h))
-
-    @staticmethod
-    def _dropout(rate: float) -> Callable[[Any, Iterator[Any]], Any]:
-        def apply(h: Any, masks: Iterator[Any]) -> Any:
-            mask = next(masks, None)
-            return F.dropout(h, rate) if mask is None else h * mask  # F.dropout: identity in test mode
-        return apply
-
-    def body(self, x: Any, *masks: Any) -> Any:
-        """The define-by-run forward pass: logits (before a final softmax)."""
-        h, it = x, iter(masks)
-        for op in self.ops:
-            h = op(h, it)
-        return h
 
     @chainer.static_graph
     def static_body(self, x: Any, *masks: Any) -> Any:
@@ -189,13 +116,18 @@ class ChainerBackend(Backend):
 
     # --- model ------------------------------------------------------------------------------
     def build(self, weights: Sequence[np.ndarray]) -> int:
+        if self.mode == "static-graph" and any(layer.type == "batchnorm" for layer in self.workload.model):
+            raise BackendUnavailable("chainer:static-graph: batchnorm's moving statistics are updated outside "
+                                     "Chainer functions, which a replayed static schedule skips; use define-by-run")
         self.net = _Net(self.workload, static=self.mode == "static-graph")
         self._load(weights)
         self.net.to_device(self.device)
         t = self.workload.training
         # Keras' update rules: Chainer's Adam adds eps to sqrt(v) before folding the bias
         # correction into the step (as Keras does), and RMSprop can put eps inside the sqrt.
-        if t.optimizer == "sgd":
+        if t.optimizer == "sgd" and t.nesterov:
+            opt = KerasNesterov(t.lr, t.momentum)
+        elif t.optimizer == "sgd":
             opt = chainer.optimizers.MomentumSGD(t.lr, t.momentum) if t.momentum else chainer.optimizers.SGD(t.lr)
         elif t.optimizer == "adam":
             opt = chainer.optimizers.Adam(alpha=t.lr, beta1=0.9, beta2=0.999, eps=1e-7)
@@ -204,19 +136,23 @@ class ChainerBackend(Backend):
         opt.setup(self.net)
         self.opt = opt
         self.softmax_out = final_softmax(self.workload.model)
-        return sum(p.size for p in self.net.params())
+        decay = t.weight_decay
+        self.l2 = decay.rate if decay is not None and decay.kind == "l2" else 0.0
+        self.decoupled = decay.rate * t.lr if decay is not None and decay.kind == "decoupled" else 0.0
+        return sum(int(a.size) for a in self.net.arrays())
 
     def _load(self, weights: Sequence[np.ndarray]) -> None:
         assert self.net is not None
+        targets = self.net.arrays()
         converted = to_nchw_weights(self.workload, weights)
-        for link, w, b in zip(self.net.weighted, converted[0::2], converted[1::2]):
-            link.W.array[...] = w
-            link.b.array[...] = b
+        if len(targets) != len(converted):
+            raise ValueError(f"the chain has {len(targets)} weight arrays; got {len(converted)}")
+        for target, w in zip(targets, converted):
+            target[...] = w
 
     def get_weights(self) -> list[np.ndarray]:
         assert self.net is not None
-        raw = [cuda.to_cpu(a) for link in self.net.weighted for a in (link.W.array, link.b.array)]
-        return from_nchw_weights(self.workload, raw)
+        return from_nchw_weights(self.workload, [cuda.to_cpu(a) for a in self.net.arrays()])
 
     # --- data -------------------------------------------------------------------------------
     def to_device(self, x: np.ndarray) -> Any:
@@ -251,8 +187,13 @@ class ChainerBackend(Backend):
         xv = x if self.net.static else chainer.Variable(x, requires_grad=False)
         logits = self.net.forward(xv, *self._masks(len(x), unit_masks))
         loss = F.softmax_cross_entropy(logits, y)
+        if self.l2:  # Keras' L2 kernel regularizer, in the loss
+            loss = loss + self.l2 * sum(F.sum(k * k) for k in self.net.kernels())
         self.net.cleargrads()
         loss.backward()
+        if self.decoupled:  # Keras 3's weight_decay, before the update
+            for k in self.net.kernels():
+                k.array *= 1.0 - self.decoupled
         self.opt.update()
         return loss.array, logits.array
 
@@ -290,6 +231,16 @@ class ChainerBackend(Backend):
                 loss, _ = self._step(self.to_device(xb), self.device.send(np.asarray(yb, np.int32)), unit_masks=True)
                 losses.append(float(loss))
         return losses
+
+    def train_scores(self, x: Any) -> Any:
+        assert self.net is not None
+        self.net.set_update(False)  # batch statistics, the moving ones left as they are
+        try:
+            with self._config(train=True), chainer.using_config("enable_backprop", False):
+                logits = self.net.forward(chainer.Variable(x, requires_grad=False), *self._masks(len(x), True))
+        finally:
+            self.net.set_update(True)
+        return (F.softmax(logits, axis=1) if self.softmax_out else logits).array
 
     def to_host(self, value: Any) -> Any:
         host = cuda.to_cpu(value) if self.gpu else value

@@ -1,8 +1,10 @@
 """JAX adapter: the spec's layers in ``jax.lax``/``jax.numpy``, Keras' optimizers written out, XLA-compiled steps.
 
-No flax and no optax. The network is a fold over the spec with the canonical weights as they
-are (``lax.conv_general_dilated`` takes NHWC x HWIO natively, and flattening NHWC needs no row
-permutation), so a layer library would add a second layout to convert to and nothing else.
+No flax and no optax. The network walks the resolved graph with the canonical weights as they
+are (``jax_graph``: ``lax.conv_general_dilated`` takes NHWC x HWIO natively, and flattening NHWC
+needs no row permutation), so a layer library would add a second layout to convert to and
+nothing else. Batchnorm's moving statistics ride in the parameter list, outside the gradient:
+each training step updates them from the batch statistics its forward pass returns.
 optax's Adam adds epsilon to the *bias-corrected* sqrt(v) and Keras' to the raw one; matching it
 would take a per-step epsilon, so the three Keras update rules are written out (``_update``).
 
@@ -29,68 +31,13 @@ import numpy as np
 from jax import lax
 
 from ..errors import BackendUnavailable
-from ..model import describe, same_pads
-from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from ..model import kernel_mask, trainable_mask
+from ..workload import Workload
 from .base import Backend, gemm_rate, gpu_index
+from .jax_graph import Params, make_forward
 
 _INSTALL = {"gpu": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]' (on a Cloud TPU VM)"}
 DEFAULT_STEPS_PER_EXECUTION = 32
-
-Params = list[jax.Array]
-Forward = Callable[[Params, jax.Array, Optional[jax.Array]], jax.Array]
-
-
-def _activate(x: jax.Array, fn: str) -> jax.Array:
-    if fn == "relu":
-        return jax.nn.relu(x)
-    if fn == "tanh":
-        return jnp.tanh(x)
-    if fn == "sigmoid":
-        return jax.nn.sigmoid(x)
-    if fn == "softmax":
-        return jax.nn.softmax(x, axis=-1)
-    return x
-
-
-def make_forward(workload: Workload) -> Forward:
-    """``logits(params, x, key)``: scores before the final softmax; ``key=None`` turns dropout off."""
-    plan = []
-    last = len(workload.model) - 1
-    for i, (layer, info) in enumerate(zip(workload.model, describe(workload))):
-        fn = getattr(layer, "activation", getattr(layer, "function", "none"))
-        plan.append((layer, info, "none" if i == last and fn == "softmax" else fn))
-
-    def logits(params: Params, x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
-        k = 0
-        for i, (layer, info, fn) in enumerate(plan):
-            if isinstance(layer, Conv2D):
-                if layer.padding == "same":  # TF 'same': the odd pixel goes after
-                    pad: Any = [same_pads(info.in_shape[0], layer.kernel_size, layer.stride),
-                                same_pads(info.in_shape[1], layer.kernel_size, layer.stride)]
-                else:
-                    pad = "VALID"
-                x = lax.conv_general_dilated(x, params[k], (layer.stride, layer.stride), pad,
-                                             dimension_numbers=("NHWC", "HWIO", "NHWC")) + params[k + 1]
-                k += 2
-            elif isinstance(layer, Dense):
-                x = x @ params[k] + params[k + 1]
-                k += 2
-            elif isinstance(layer, MaxPool2D):
-                s = layer.stride or layer.pool_size
-                x = lax.reduce_window(x, -jnp.inf, lax.max, (1, layer.pool_size, layer.pool_size, 1),
-                                      (1, s, s, 1), "VALID")
-            elif isinstance(layer, Dropout):
-                if key is not None and layer.rate > 0:  # inverted dropout, as Keras
-                    keep = jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - layer.rate, x.shape)
-                    x = jnp.where(keep, x / (1.0 - layer.rate), jnp.zeros_like(x))
-            elif isinstance(layer, Flatten):
-                x = x.reshape(x.shape[0], -1)  # NHWC order: the canonical dense rows
-            elif not isinstance(layer, ActivationLayer):
-                raise TypeError(f"unknown layer {layer!r}")
-            x = _activate(x, fn)
-        return x
-
-    return logits
 
 
 def jax_device(device: str, backend: str) -> jax.Device:
@@ -124,7 +71,7 @@ def _init_state(optimizer: str, momentum: float, params: Params) -> dict[str, An
 
 
 def _update(optimizer: str, lr: float, momentum: float, params: Params, grads: Params,
-            state: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+            state: dict[str, Any], nesterov: bool = False) -> tuple[Params, dict[str, Any]]:
     if optimizer == "adam":
         b1, b2, eps = 0.9, 0.999, 1e-7
         t = state["t"] + 1
@@ -144,6 +91,8 @@ def _update(optimizer: str, lr: float, momentum: float, params: Params, grads: P
         return [p - lr * g / jnp.sqrt(vi + eps) for p, g, vi in zip(params, grads, v)], {"v": v}
     if momentum:
         v = [momentum * v - lr * g for v, g in zip(state["v"], grads)]
+        if nesterov:  # Keras: w += momentum * v - lr * g, with the new v
+            return [p + momentum * vi - lr * g for p, vi, g in zip(params, v, grads)], {"v": v}
         return [p + vi for p, vi in zip(params, v)], {"v": v}
     return [p - lr * g for p, g in zip(params, grads)], state
 
@@ -222,26 +171,47 @@ class JaxBackend(Backend):
     # --- model --------------------------------------------------------------------------------
     def build(self, weights: Sequence[np.ndarray]) -> int:
         t = self.workload.training
-        logits_fn = make_forward(self.workload)
+        logits_fn, g = make_forward(self.workload)
         compute, nc, bs = self.compute, self.workload.num_classes, t.batch_size
+        mask = trainable_mask(g)
+        kernels = [k for k, tr in zip(kernel_mask(g), mask) if tr]  # among the trainable arrays
+        momenta = [n.layer.momentum for n in g.nodes if n.kind == "batchnorm" for _ in (0, 1)]
+        decay = t.weight_decay
+        l2 = decay.rate if decay is not None and decay.kind == "l2" else 0.0
+        decoupled = decay.rate * t.lr if decay is not None and decay.kind == "decoupled" else 0.0
 
-        def logits(params: Params, x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
+        def merge(train: Params, frozen: Params) -> Params:
+            it_t, it_f = iter(train), iter(frozen)
+            return [next(it_t) if m else next(it_f) for m in mask]
+
+        def split(params: Params) -> tuple[Params, Params]:
+            return [p for p, m in zip(params, mask) if m], [p for p, m in zip(params, mask) if not m]
+
+        def logits(params: Params, x: jax.Array, key: Optional[jax.Array], train: bool):
             cast = [p.astype(compute) for p in params]
-            return logits_fn(cast, x.astype(compute), key).astype(jnp.float32)
+            z, stats = logits_fn(cast, x.astype(compute), key, train)
+            return z.astype(jnp.float32), stats
 
-        def loss_fn(params: Params, x: jax.Array, y: jax.Array, key: Optional[jax.Array]):
-            z = logits(params, x, key)
+        def loss_fn(train: Params, frozen: Params, x: jax.Array, y: jax.Array, key: Optional[jax.Array]):
+            z, stats = logits(merge(train, frozen), x, key, True)
             # Cross-entropy from the logits behind the final softmax, as Keras 3 on TensorFlow.
             loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], axis=1))
-            return loss, z
+            if l2:  # Keras' L2 kernel regularizer
+                loss = loss + l2 * sum(jnp.sum(jnp.square(p)) for p, k in zip(train, kernels) if k)
+            return loss, (z, stats)
 
         def step(params: Params, opt: dict, acc: tuple, x: jax.Array, y: jax.Array,
                  key: Optional[jax.Array]):
-            (loss, z), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, key)
-            params, opt = _update(t.optimizer, t.lr, t.momentum, params, grads, opt)
+            train, frozen = split(params)
+            (loss, (z, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(train, frozen, x, y, key)
+            if decoupled:  # Keras 3's weight_decay, before the update
+                train = [p * (1.0 - decoupled) if k else p for p, k in zip(train, kernels)]
+            train, opt = _update(t.optimizer, t.lr, t.momentum, train, grads, opt, t.nesterov)
+            batch = [s for pair in stats for s in pair]
+            frozen = [m * f + (1.0 - m) * b for f, b, m in zip(frozen, batch, momenta)]
             hits = jnp.sum(jnp.argmax(z, axis=1) == y).astype(jnp.int32)
             acc = (acc[0] + loss * x.shape[0], acc[1] + hits)
-            return params, opt, acc, loss
+            return merge(train, frozen), opt, acc, loss
 
         def key_at(key: jax.Array, i: jax.Array) -> jax.Array:
             return jax.random.fold_in(key, i)
@@ -279,12 +249,17 @@ class JaxBackend(Backend):
 
         @partial(jax.jit, static_argnames=("size",))
         def predict(params, x, start, size):
-            return jax.nn.softmax(logits(params, lax.dynamic_slice_in_dim(x, start, size), None), axis=-1)
+            return jax.nn.softmax(logits(params, lax.dynamic_slice_in_dim(x, start, size), None, False)[0], axis=-1)
 
         @partial(jax.jit, static_argnames=("size",))
         def predict_block(params, x, start, size):
             xs = lax.dynamic_slice_in_dim(x, start, size * self.k).reshape((self.k, size) + x.shape[1:])
-            return lax.map(lambda xb: jax.nn.softmax(logits(params, xb, None), axis=-1), xs).reshape(-1, nc)
+            return lax.map(lambda xb: jax.nn.softmax(logits(params, xb, None, False)[0], axis=-1),
+                           xs).reshape(-1, nc)
+
+        @jax.jit
+        def train_probs(params, x):
+            return jax.nn.softmax(logits(params, x, None, True)[0], axis=-1)
 
         @jax.jit
         def gather(x, y, order):
@@ -292,8 +267,9 @@ class JaxBackend(Backend):
 
         self._train_one, self._train_block, self._no_dropout_step = train_one, train_block, no_dropout_step
         self._predict, self._predict_block, self._gather = predict, predict_block, gather
+        self._train_probs = train_probs
         self.params = [jax.device_put(np.asarray(w, np.float32), self.device) for w in weights]
-        self.opt = _init_state(t.optimizer, t.momentum, self.params)
+        self.opt = _init_state(t.optimizer, t.momentum, split(self.params)[0])
         self.key = jax.device_put(jax.random.key(self.workload.seed), self.device)
         self.step_count = 0  # global step: the dropout key of step i is fold_in(key, i) in both modes
         self._pending = self.params
@@ -353,6 +329,11 @@ class JaxBackend(Backend):
     def sync(self) -> None:
         if self._pending is not None:
             jax.block_until_ready(self._pending)
+
+    def train_scores(self, x: jax.Array) -> jax.Array:
+        out = self._train_probs(self.params, x)
+        self._pending = out
+        return out
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         losses = []

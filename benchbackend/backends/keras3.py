@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import BackendUnavailable
 from ..workload import Workload
 from .base import Backend
-from .keras_layers import keras_layers
+from .keras_layers import KerasNet, keras3_build, keras3_optimizer
 
 
 class KerasBackend(Backend):
@@ -45,6 +45,7 @@ class KerasBackend(Backend):
             raise BackendUnavailable(f"{self.name}: precision '{precision}' is not supported; use fp32")
         self.device = self._resolve_device(device)
         self.model: Optional[keras.Model] = None
+        self.net: Optional[KerasNet] = None
 
     # --- per framework ------------------------------------------------------------------------
     def _resolve_device(self, device: str) -> str:
@@ -69,32 +70,24 @@ class KerasBackend(Backend):
         return self.device
 
     # --- model --------------------------------------------------------------------------------
-    def _model(self, dropout: bool = True) -> keras.Model:
-        return keras.Sequential([keras.Input(shape=self.workload.input_shape)]
-                                + keras_layers(self.workload, keras.layers, dropout))
-
-    def _compiled(self, dropout: bool, weights: Sequence[np.ndarray]) -> keras.Model:
-        t = self.workload.training
-        if t.optimizer == "sgd":
-            opt = keras.optimizers.SGD(learning_rate=t.lr, momentum=t.momentum)
-        elif t.optimizer == "adam":
-            opt = keras.optimizers.Adam(learning_rate=t.lr)
-        else:
-            opt = keras.optimizers.RMSprop(learning_rate=t.lr)
-        model = self._model(dropout)
-        model.set_weights(list(weights))  # Keras' own layout is the canonical one
+    def _compiled(self, dropout: bool, weights: Sequence[np.ndarray]) -> KerasNet:
+        net = keras3_build(self.workload, keras, dropout=dropout)
+        net.set(weights)  # Keras' own layouts are the canonical ones
         # Integer labels: sparse cross-entropy is categorical cross-entropy on one-hot targets.
-        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(),
-                      metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
-        return model
+        # fit and train_on_batch add the L2 kernel regularizers to the loss, as Keras does.
+        net.model.compile(optimizer=keras3_optimizer(keras, self.workload, net),
+                          loss=keras.losses.SparseCategoricalCrossentropy(),
+                          metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+        return net
 
     def build(self, weights: Sequence[np.ndarray]) -> int:
-        self.model = self._compiled(True, weights)
+        self.net = self._compiled(True, weights)
+        self.model = self.net.model
         return int(sum(int(np.prod(v.shape)) for v in self.model.weights))
 
     def get_weights(self) -> list[np.ndarray]:
-        assert self.model is not None
-        return [np.asarray(w) for w in self.model.get_weights()]
+        assert self.net is not None
+        return [np.asarray(w) for w in self.net.get()]
 
     # --- data and run -------------------------------------------------------------------------
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
@@ -114,13 +107,19 @@ class KerasBackend(Backend):
         return self.model.predict(x, batch_size=batch_size, verbose=0)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
-        assert self.model is not None
+        assert self.net is not None
         # A twin without dropout layers on the current weights (Dropout has none), with a fresh
         # optimizer: the worker calls this right after build, and builds again afterwards.
-        twin = self._compiled(False, self.model.get_weights())
+        twin = self._compiled(False, self.net.get())
         # train_on_batch resets the metrics first, so its loss is this batch's, before the update.
-        return [float(twin.train_on_batch(np.asarray(xb, np.float32), np.asarray(yb, np.int64),
-                                          return_dict=True)["loss"]) for xb, yb in batches]
+        return [float(twin.model.train_on_batch(np.asarray(xb, np.float32), np.asarray(yb, np.int64),
+                                                return_dict=True)["loss"]) for xb, yb in batches]
+
+    def train_scores(self, x: np.ndarray) -> np.ndarray:
+        assert self.net is not None
+        twin = keras3_build(self.workload, keras, dropout=False)  # its moving statistics may change
+        twin.set(self.net.get())
+        return keras.ops.convert_to_numpy(twin.model(np.asarray(x, np.float32), training=True))
 
 
 class KerasJaxBackend(KerasBackend):

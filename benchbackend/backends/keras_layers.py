@@ -1,34 +1,164 @@
-"""The layer vocabulary in the Keras layer API, shared by Keras 3 (tensorflow) and Keras 2.2.4 (plaidml).
+"""The resolved graph as a Keras functional model, shared by Keras 3 (tensorflow, keras-jax,
+keras-torch) and Keras 2.2.4 (plaidml).
 
-Imports no framework: the caller passes its own ``keras.layers`` module.
+Imports no framework: the caller passes its ``keras`` module (and, for a dtype policy, a layers
+namespace). Keras' own conventions are the canonical ones (NHWC, HWIO kernels, TF 'same' padding,
+batchnorm's momentum, epsilon and biased moving variance in Keras 3, weights in Keras' order), so
+the translation is one Keras layer per spec layer, plus:
+
+- ``ZeroPadding2D`` before a conv whose padding is not ``same``/``valid``;
+- a max-pool whose padding is not TF's ``same`` pads with ``-inf`` (``neg_pad``; a backend
+  without one raises ``BackendUnavailable``);
+- an ``Activation`` after a batchnorm or an add that carries one;
+- ``kernel_regularizer=L2(rate)`` on conv and dense kernels for an ``l2`` weight decay.
+
+The weights are set and read layer by layer (``KerasNet.set``/``get``), never through
+``model.set_weights``: a functional model orders its layers by depth, so a projection shortcut
+would come before the main path's layers and out of the spec's order.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
-from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from ..errors import BackendUnavailable
+from ..graph import INPUT, Graph, Node, resolve, resolve_pads
+from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
+from ..workload import Workload
+
+#: ``neg_pad(pads)``: a layer that pads ((top, bottom), (left, right)) with -inf.
+NegPad = Callable[[tuple[tuple[int, int], tuple[int, int]]], Any]
+
+
+@dataclass
+class KerasNet:
+    """The functional model and, per spec node, the Keras layer that holds its weights (or None)."""
+
+    model: Any
+    holders: list[Any]
+    graph: Graph
+
+    def set(self, weights: Sequence[Any]) -> None:
+        for node, layer in zip(self.graph.nodes, self.holders):
+            if layer is not None:
+                layer.set_weights(list(self.graph.weights_of(node, weights)))
+
+    def get(self) -> list[Any]:
+        return [w for layer in self.holders if layer is not None for w in layer.get_weights()]
+
+    def batchnorms(self) -> list[Any]:
+        return [layer for node, layer in zip(self.graph.nodes, self.holders) if isinstance(node.layer, BatchNorm)]
 
 
 def _act(name: str) -> Optional[str]:
     return None if name == "none" else name
 
 
-def keras_layers(workload: Workload, L: Any, dropout: bool = True) -> list[Any]:
-    """Keras layers for ``workload.model`` (no input layer); ``dropout=False`` leaves dropout out."""
-    layers: list[Any] = []
-    for layer in workload.model:
-        if isinstance(layer, Conv2D):
-            layers.append(L.Conv2D(layer.filters, layer.kernel_size, strides=layer.stride,
-                                   padding=layer.padding, activation=_act(layer.activation)))
-        elif isinstance(layer, MaxPool2D):
-            layers.append(L.MaxPooling2D(layer.pool_size, strides=layer.stride or layer.pool_size))
-        elif isinstance(layer, Dropout):
-            if dropout:
-                layers.append(L.Dropout(layer.rate, seed=workload.seed))
-        elif isinstance(layer, Flatten):
-            layers.append(L.Flatten())
-        elif isinstance(layer, Dense):
-            layers.append(L.Dense(layer.units, activation=_act(layer.activation)))
-        elif isinstance(layer, ActivationLayer):
-            layers.append(L.Activation(_act(layer.function) or "linear"))
-    return layers
+def build(workload: Workload, keras: Any, L: Any = None, *, dropout: bool = True,
+          batchnorm: Optional[Callable[..., Any]] = None, neg_pad: Optional[NegPad] = None,
+          regularizer: Optional[Callable[[float], Any]] = None, output_dtype: Optional[str] = None) -> KerasNet:
+    """The workload's network. ``L``: the layers namespace (default ``keras.layers``); ``dropout``
+    False leaves dropout out (the trajectory check); ``batchnorm``: the batchnorm layer class
+    (default ``L.BatchNormalization``); ``regularizer(rate)``: the L2 kernel regularizer;
+    ``output_dtype``: the final softmax as its own ``Activation`` of that dtype (mixed precision)."""
+    L = L or keras.layers
+    g = resolve(workload)
+    decay = workload.training.weight_decay
+    reg = regularizer(decay.rate) if regularizer is not None and decay is not None and decay.kind == "l2" else None
+    if decay is not None and decay.kind == "l2" and regularizer is None:
+        raise BackendUnavailable("no L2 kernel regularizer given for weight_decay l2")
+    x = keras.layers.Input(shape=tuple(workload.input_shape))
+    values: dict[int, Any] = {INPUT: x}
+    holders: list[Any] = []
+    for node in g.nodes:
+        ins = [values[j] for j in node.inputs]
+        last = node is g.output
+        act = node.activation
+        if last and output_dtype is not None and act == "softmax":
+            act = "none"
+        out, holder = _layer(node, ins, L, act, dropout, workload.seed, batchnorm or L.BatchNormalization,
+                             neg_pad, reg)
+        if last and output_dtype is not None and node.activation == "softmax":
+            out = keras.layers.Activation("softmax", dtype=output_dtype)(out)
+        values[node.index] = out
+        holders.append(holder)
+    return KerasNet(keras.models.Model(x, values[g.output.index]), holders, g)
+
+
+def _layer(node: Node, ins: list[Any], L: Any, act: str, dropout: bool, seed: int, batchnorm: Any,
+           neg_pad: Optional[NegPad], reg: Any) -> tuple[Any, Any]:
+    """(output tensor, the layer holding the node's weights or None)."""
+    layer, x = node.layer, ins[0]
+    if isinstance(layer, Conv2D):
+        padding = layer.padding if layer.padding in ("same", "valid") else "valid"
+        if padding == "valid" and node.pads != ((0, 0), (0, 0)):
+            x = L.ZeroPadding2D(node.pads)(x)
+        conv = L.Conv2D(layer.filters, layer.kernel_size, strides=layer.stride, padding=padding,
+                        use_bias=layer.use_bias, activation=_act(act), kernel_regularizer=reg)
+        return conv(x), conv
+    if isinstance(layer, MaxPool2D):
+        stride = layer.stride or layer.pool_size
+        h, w = node.in_shape[:2]
+        if node.pads == ((0, 0), (0, 0)):
+            padding = "valid"
+        elif node.pads == resolve_pads("same", h, w, layer.pool_size, stride):
+            padding = "same"  # TF's 'same' max-pool pads with -inf
+        elif neg_pad is None:
+            raise BackendUnavailable(f"{node.label()}: max-pool padding {layer.padding} needs -inf pads, which "
+                                     "this Keras cannot express")
+        else:
+            x, padding = neg_pad(node.pads)(x), "valid"
+        return L.MaxPooling2D(layer.pool_size, strides=stride, padding=padding)(x), None
+    if isinstance(layer, Dense):
+        dense = L.Dense(layer.units, activation=_act(act), kernel_regularizer=reg)
+        return dense(x), dense
+    if isinstance(layer, BatchNorm):
+        bn = batchnorm(momentum=layer.momentum, epsilon=layer.epsilon)
+        return _then(L, bn(x), act), bn
+    if isinstance(layer, Add):
+        return _then(L, L.Add()(ins), act), None
+    if isinstance(layer, GlobalAvgPool):
+        return L.GlobalAveragePooling2D()(x), None
+    if isinstance(layer, Dropout):
+        return (L.Dropout(layer.rate, seed=seed)(x) if dropout else x), None
+    if isinstance(layer, Flatten):
+        return L.Flatten()(x), None
+    if isinstance(layer, ActivationLayer):
+        return L.Activation(_act(act) or "linear")(x), None
+    raise TypeError(f"{node.label()}: no Keras translation")
+
+
+def _then(L: Any, x: Any, act: str) -> Any:
+    return x if act == "none" else L.Activation(act)(x)
+
+
+# --- Keras 3 only (tensorflow, keras-jax, keras-torch) -------------------------------------------
+def keras3_neg_pad(keras: Any) -> NegPad:
+    """Keras 3's -inf padding for a max-pool (``keras.ops.pad`` in a ``Lambda``)."""
+    def make(pads: tuple[tuple[int, int], tuple[int, int]]) -> Any:
+        widths = ((0, 0), *pads, (0, 0))
+        return keras.layers.Lambda(lambda v: keras.ops.pad(v, widths, constant_values=float("-inf")))
+    return make
+
+
+def keras3_build(workload: Workload, keras: Any, L: Any = None, **kwargs: Any) -> KerasNet:
+    """:func:`build` with Keras 3's L2 regularizer and -inf padding."""
+    return build(workload, keras, L, regularizer=keras.regularizers.L2, neg_pad=keras3_neg_pad(keras), **kwargs)
+
+
+def keras3_optimizer(keras: Any, workload: Workload, net: KerasNet) -> Any:
+    """The workload's optimizer as Keras 3's own; a decoupled weight decay is its ``weight_decay``,
+    on the kernels only."""
+    t = workload.training
+    decay = t.weight_decay
+    wd = decay.rate if decay is not None and decay.kind == "decoupled" else None
+    if t.optimizer == "sgd":
+        opt = keras.optimizers.SGD(learning_rate=t.lr, momentum=t.momentum, nesterov=t.nesterov, weight_decay=wd)
+    elif t.optimizer == "adam":
+        opt = keras.optimizers.Adam(learning_rate=t.lr, weight_decay=wd)
+    else:
+        opt = keras.optimizers.RMSprop(learning_rate=t.lr, weight_decay=wd)
+    if wd is not None:
+        kernels = {id(layer.kernel) for layer in net.holders if layer is not None and hasattr(layer, "kernel")}
+        opt.exclude_from_weight_decay(var_list=[v for v in net.model.trainable_variables if id(v) not in kernels])
+    return opt

@@ -6,20 +6,27 @@ graph and no framework's exporter decides what it contains. The graph takes the 
 probabilities ``[batch, classes]`` (the final softmax included; dropout is the identity at
 inference and is left out).
 
-ONNX's Conv and MaxPool are NCHW: the input is transposed once before the first of them, conv
-kernels go HWIO -> OIHW, TF 'same' padding becomes explicit pads (the odd pixel after), and the
-dense layer behind a flatten of NCHW activations gets its kernel rows permuted to NCHW order.
+ONNX's Conv, MaxPool, BatchNormalization and pools are NCHW: an NHWC value is transposed once,
+where an NCHW op first reads it; conv kernels go HWIO -> OIHW; every padding (TF 'same'
+included) is explicit pads (MaxPool's never win a max); batchnorm is ONNX's inference-mode
+BatchNormalization on the moving statistics (runtimes fold it into the conv); a dense layer (or
+batchnorm) behind a flatten of NCHW activations gets its rows permuted to NCHW order.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..model import describe, nhwc_to_nchw_rows, same_pads
-from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from ..errors import BackendUnavailable
+from ..graph import INPUT as GRAPH_INPUT
+from ..graph import Node, resolve
+from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
+from ..model import nhwc_to_nchw_rows
+from ..workload import Workload
 
 #: Opset 17 is read by onnxruntime, OpenVINO's ONNX frontend and TVM's Relax ONNX frontend alike.
 OPSET = 17
@@ -31,38 +38,105 @@ OUTPUT = "probs"
 _ACT = {"relu": "Relu", "tanh": "Tanh", "sigmoid": "Sigmoid", "softmax": "Softmax"}
 
 
+@dataclass(frozen=True)
+class _Value:
+    """A tensor of the graph: its name, whether a rank-4 one is NCHW, and for a flat one made by
+    flattening NCHW activations, the image (H, W, C) it came from (its features are in NCHW order)."""
+
+    name: str
+    nchw: bool = False
+    flat_from: Optional[tuple[int, int, int]] = None
+
+
 class _Graph:
-    """Nodes and initializers, appended in order; ``value`` is the name of the current tensor."""
+    """Nodes and initializers, appended in order."""
 
     def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
-        self.value = INPUT
-        self.nchw = False  # layout of the current rank-4 value
-        #: Set by a flatten of NCHW activations: the row order the next dense kernel needs.
-        self.rows: Optional[np.ndarray] = None
+        self._nchw: dict[str, str] = {}  # NHWC value -> its transposed twin
 
-    def add(self, op: str, inputs: Sequence[str], name: str, **attrs: object) -> None:
-        self.nodes.append(helper.make_node(op, [self.value, *inputs], [name], name=name, **attrs))
-        self.value = name
+    def add(self, op: str, inputs: Sequence[str], name: str, **attrs: object) -> str:
+        self.nodes.append(helper.make_node(op, list(inputs), [name], name=name, **attrs))
+        return name
 
     def const(self, name: str, array: np.ndarray) -> str:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array, np.float32), name))
         return name
 
-    def to_nchw(self) -> None:
-        if not self.nchw:
-            self.add("Transpose", [], "to_nchw", perm=[0, 3, 1, 2])
-            self.nchw = True
+    def nchw(self, v: _Value) -> str:
+        """``v`` (rank 4) in NCHW: ONNX's Conv, MaxPool, BatchNormalization and pools are NCHW."""
+        if v.nchw:
+            return v.name
+        if v.name not in self._nchw:
+            self._nchw[v.name] = self.add("Transpose", [v.name], f"{v.name}.nchw", perm=[0, 3, 1, 2])
+        return self._nchw[v.name]
 
-    def activation(self, fn: str, name: str, rank: int) -> None:
+    def activation(self, fn: str, v: _Value, name: str, rank: int) -> _Value:
         if fn == "none":
-            return
+            return v
         if fn == "softmax":
             # The canonical softmax is over the last NHWC axis: channels, which are axis 1 in NCHW.
-            self.add("Softmax", [], name, axis=1 if rank == 4 and self.nchw else -1)
+            return _Value(self.add("Softmax", [v.name], name, axis=1 if rank == 4 and v.nchw else -1), v.nchw,
+                          v.flat_from)
+        return _Value(self.add(_ACT[fn], [v.name], name), v.nchw, v.flat_from)
+
+
+def _rows(v: _Value) -> Optional[np.ndarray]:
+    """The canonical rows of a flat value in NCHW feature order (None: canonical order already)."""
+    return None if v.flat_from is None else nhwc_to_nchw_rows(*v.flat_from)
+
+
+def _node(g: _Graph, node: Node, ins: list[_Value], w: list[np.ndarray]) -> _Value:
+    """The ONNX nodes of one graph node (before its activation)."""
+    layer, tag = node.layer, f"n{node.index}.{node.kind}"
+    if isinstance(layer, Conv2D):
+        (top, bottom), (left, right) = node.pads  # type: ignore[misc]
+        args = [g.nchw(ins[0]), g.const(f"{tag}.weight", np.transpose(w[0], (3, 2, 0, 1)))]  # HWIO -> OIHW
+        if layer.use_bias:
+            args.append(g.const(f"{tag}.bias", w[1]))
+        return _Value(g.add("Conv", args, tag, kernel_shape=[layer.kernel_size] * 2, strides=[layer.stride] * 2,
+                            pads=[top, left, bottom, right]), nchw=True)
+    if isinstance(layer, MaxPool2D):
+        (top, bottom), (left, right) = node.pads  # type: ignore[misc]
+        # ONNX's MaxPool pads never win a max.
+        return _Value(g.add("MaxPool", [g.nchw(ins[0])], tag, kernel_shape=[layer.pool_size] * 2,
+                            strides=[layer.stride or layer.pool_size] * 2, pads=[top, left, bottom, right]), nchw=True)
+    if isinstance(layer, Dense):
+        rows = _rows(ins[0])
+        kernel = w[0] if rows is None else w[0][rows]
+        return _Value(g.add("Gemm", [ins[0].name, g.const(f"{tag}.weight", kernel), g.const(f"{tag}.bias", w[1])],
+                            tag))
+    if isinstance(layer, BatchNorm):
+        # Inference mode: the moving statistics (runtimes fold it into the conv before it).
+        rank4 = len(node.in_shape) == 3
+        rows = None if rank4 else _rows(ins[0])
+        vec = [a if rows is None else a[rows] for a in w]
+        names = [g.const(f"{tag}.{k}", a) for k, a in zip(("scale", "bias", "mean", "var"), vec)]
+        x = g.nchw(ins[0]) if rank4 else ins[0].name
+        return _Value(g.add("BatchNormalization", [x, *names], tag, epsilon=layer.epsilon), nchw=rank4,
+                      flat_from=ins[0].flat_from)
+    if isinstance(layer, Add):
+        if len(node.in_shape) == 3:
+            names = [g.nchw(v) for v in ins]
+        elif len({v.flat_from for v in ins}) == 1:
+            names = [v.name for v in ins]
         else:
-            self.add(_ACT[fn], [], name)
+            raise BackendUnavailable(f"{node.label()}: adds a flattened image to other features; the ONNX graph "
+                                     "flattens NCHW and cannot")
+        return _Value(g.add("Sum", names, tag), nchw=len(node.in_shape) == 3, flat_from=ins[0].flat_from)
+    if isinstance(layer, GlobalAvgPool):
+        pooled = g.add("GlobalAveragePool", [g.nchw(ins[0])], f"{tag}.pool")
+        return _Value(g.add("Flatten", [pooled], tag, axis=1))
+    if isinstance(layer, Flatten):
+        if len(node.in_shape) != 3:
+            return ins[0]
+        # The canonical dense rows follow NHWC flatten order; flattening NCHW needs them permuted.
+        return _Value(g.add("Flatten", [ins[0].name], tag, axis=1),
+                      flat_from=node.in_shape if ins[0].nchw else None)  # type: ignore[arg-type]
+    if isinstance(layer, (Dropout, ActivationLayer)):
+        return ins[0]  # dropout is the identity at inference
+    raise TypeError(f"{node.label()}: no ONNX translation")
 
 
 def build_model(workload: Workload, weights: Sequence[np.ndarray],
@@ -71,54 +145,27 @@ def build_model(workload: Workload, weights: Sequence[np.ndarray],
 
     ``batch_size``: None for a dynamic batch dimension, else a fixed one.
     """
+    graph = resolve(workload)
+    if len(weights) != graph.n_weights:
+        raise ValueError(f"the model has {graph.n_weights} weight arrays; got {len(weights)}")
     g = _Graph()
-    k = 0
-    for i, (layer, info) in enumerate(zip(workload.model, describe(workload))):
-        if isinstance(layer, Conv2D):
-            g.to_nchw()
-            kernel = g.const(f"conv{i}.weight", np.transpose(weights[k], (3, 2, 0, 1)))  # HWIO -> OIHW
-            bias = g.const(f"conv{i}.bias", weights[k + 1])
-            k += 2
-            pads = [0, 0, 0, 0]
-            if layer.padding == "same":
-                (top, bottom), (left, right) = (same_pads(info.in_shape[d], layer.kernel_size, layer.stride)
-                                                for d in (0, 1))
-                pads = [top, left, bottom, right]
-            g.add("Conv", [kernel, bias], f"conv{i}", kernel_shape=[layer.kernel_size] * 2,
-                  strides=[layer.stride] * 2, pads=pads)
-            g.activation(layer.activation, f"conv{i}.{layer.activation}", 4)
-        elif isinstance(layer, MaxPool2D):
-            g.to_nchw()
-            g.add("MaxPool", [], f"pool{i}", kernel_shape=[layer.pool_size] * 2,
-                  strides=[layer.stride or layer.pool_size] * 2)
-        elif isinstance(layer, Flatten):
-            if len(info.in_shape) == 3:
-                g.add("Flatten", [], f"flatten{i}", axis=1)
-                if g.nchw:
-                    # The canonical dense rows follow NHWC flatten order; this flattened NCHW.
-                    g.rows, g.nchw = nhwc_to_nchw_rows(*info.in_shape), False
-        elif isinstance(layer, Dense):
-            kernel = weights[k] if g.rows is None else weights[k][g.rows]
-            g.rows = None
-            g.add("Gemm", [g.const(f"dense{i}.weight", kernel), g.const(f"dense{i}.bias", weights[k + 1])],
-                  f"dense{i}")
-            k += 2
-            g.activation(layer.activation, f"dense{i}.{layer.activation}", 2)
-        elif isinstance(layer, ActivationLayer):
-            g.activation(layer.function, f"act{i}.{layer.function}", len(info.in_shape) + 1)
-        elif not isinstance(layer, Dropout):  # dropout is the identity at inference
-            raise TypeError(f"model[{i}]: no ONNX translation for {layer!r}")
-    if k != len(weights):
-        raise ValueError(f"the model has {k} weight arrays; got {len(weights)}")
-    g.nodes[-1].output[0] = OUTPUT
+    values: dict[int, _Value] = {GRAPH_INPUT: _Value(INPUT)}
+    for node in graph.nodes:
+        out = _node(g, node, [values[j] for j in node.inputs], graph.weights_of(node, weights))
+        values[node.index] = g.activation(node.activation, out, f"n{node.index}.{node.activation}",
+                                          len(node.out_shape) + 1)
+    last = values[graph.output.index]
+    if last.nchw:
+        raise ValueError("the network's output is an image; it must be one score per class")
+    g.add("Identity", [last.name], OUTPUT)
 
     batch: int | str = batch_size if batch_size is not None else "batch"
-    graph = helper.make_graph(
+    proto = helper.make_graph(
         g.nodes, workload.name,
         [helper.make_tensor_value_info(INPUT, TensorProto.FLOAT, [batch, *workload.input_shape])],
         [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [batch, workload.num_classes])],
         initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+    model = helper.make_model(proto, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="benchbackend", ir_version=IR_VERSION)
     onnx.checker.check_model(model, full_check=True)
     return model

@@ -49,7 +49,7 @@ import plaidml.exceptions  # noqa: E402
 from ..errors import BackendUnavailable  # noqa: E402
 from ..workload import Workload  # noqa: E402
 from .base import Backend  # noqa: E402
-from .keras_layers import keras_layers  # noqa: E402
+from .keras_layers import KerasNet, build  # noqa: E402
 
 _keras: Any = None
 
@@ -147,31 +147,35 @@ class PlaidMLBackend(Backend):
         return "" if self.device.startswith("llvm_cpu") else self.description
 
     # --- model ------------------------------------------------------------------------------
-    def _model(self, dropout: bool = True) -> Any:
-        L = self.keras.layers
-        return self.keras.models.Sequential([L.InputLayer(input_shape=self.workload.input_shape)]
-                                            + keras_layers(self.workload, L, dropout))
+    def _net(self, dropout: bool = True) -> KerasNet:
+        return build(self.workload, self.keras, dropout=dropout, batchnorm=_biased_batchnorm(self.keras),
+                     regularizer=self.keras.regularizers.l2)
 
     def _optimizer(self) -> Any:
         t, opt = self.workload.training, self.keras.optimizers
+        if t.weight_decay is not None and t.weight_decay.kind == "decoupled":
+            raise BackendUnavailable("plaidml: Keras 2.2.4's optimizers have no decoupled weight decay "
+                                     "(weight_decay kind decoupled); kind l2 works")
         if t.optimizer == "sgd":
-            return opt.SGD(lr=t.lr, momentum=t.momentum)
+            return opt.SGD(lr=t.lr, momentum=t.momentum, nesterov=t.nesterov)
         if t.optimizer == "adam":
             return opt.Adam(lr=t.lr)  # epsilon None -> K.epsilon() = 1e-7, as in Keras 3
         return opt.RMSprop(lr=t.lr)
 
-    def _compiled(self, dropout: bool, weights: Sequence[np.ndarray]) -> Any:
-        model = self._model(dropout)
-        model.compile(optimizer=self._optimizer(), loss="categorical_crossentropy", metrics=["accuracy"])
-        model.set_weights(list(weights))  # Keras' own layout is the canonical one
-        return model
+    def _compiled(self, dropout: bool, weights: Sequence[np.ndarray]) -> KerasNet:
+        net = self._net(dropout)
+        # train_on_batch's loss includes the L2 kernel regularizers, as Keras 3's does.
+        net.model.compile(optimizer=self._optimizer(), loss="categorical_crossentropy", metrics=["accuracy"])
+        net.set(weights)  # Keras' own layouts are the canonical ones, set layer by layer
+        return net
 
     def build(self, weights: Sequence[np.ndarray]) -> int:
-        self.model = self._compiled(True, weights)
-        return int(self.model.count_params())
+        self.net = self._compiled(True, weights)
+        self.model = self.net.model
+        return int(self.model.count_params())  # Keras counts the moving statistics too
 
     def get_weights(self) -> list[np.ndarray]:
-        return [np.asarray(w) for w in self.model.get_weights()]
+        return [np.asarray(w) for w in self.net.get()]
 
     # --- data -------------------------------------------------------------------------------
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
@@ -202,10 +206,47 @@ class PlaidMLBackend(Backend):
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         # Keras 2.2.4 has no per-call `training=False`: a twin without Dropout layers, sharing
-        # nothing but the current weights, takes the steps; its result is copied back.
-        twin = self._compiled(False, self.model.get_weights())
+        # nothing but the current weights, takes the steps (in training mode: batch statistics).
+        twin = self._compiled(False, self.net.get())
         eye = np.eye(self.workload.num_classes, dtype=np.float32)
-        losses = [float(twin.train_on_batch(np.asarray(xb, np.float32), eye[np.asarray(yb)])[0])
-                  for xb, yb in batches]
-        self.model.set_weights(twin.get_weights())
-        return losses
+        return [float(twin.model.train_on_batch(np.asarray(xb, np.float32), eye[np.asarray(yb)])[0])
+                for xb, yb in batches]
+
+    def train_scores(self, x: np.ndarray) -> np.ndarray:
+        K = self.keras.backend
+        twin = self._compiled(False, self.net.get())
+        # A function of the learning phase runs the layers' training branch without their updates.
+        fn = K.function([twin.model.input, K.learning_phase()], [twin.model.output])
+        return np.asarray(fn([np.asarray(x, np.float32), 1])[0])
+
+
+def _biased_batchnorm(keras: Any) -> Any:
+    """Keras 2.2.4's ``BatchNormalization``, made to follow the reference in a training step.
+
+    Two things differ in stock Keras 2.2.4 on PlaidML 0.7: it multiplies the batch variance by
+    ``n / (n - 1 - epsilon)`` before the moving average (an unbiased estimate; Keras 3 and the
+    reference use the variance as it is), and PlaidML's ``normalize_batch_in_training`` has a
+    wrong gradient (a conv + batchnorm net at SGD lr 0.01: losses 3.0, 68, 304 where the reference
+    gives 3.0, 2.5, 2.0). So the batch statistics are written out with ``K.mean``, and the moving
+    variance takes the biased one (channels last, scale and center on).
+    """
+    K = keras.backend
+
+    class KerasBatchNormalization(keras.layers.BatchNormalization):
+        def call(self, inputs: Any, training: Any = None) -> Any:
+            axes = list(range(len(K.int_shape(inputs)) - 1))
+
+            def normalize_inference() -> Any:
+                return K.batch_normalization(inputs, self.moving_mean, self.moving_variance, self.beta, self.gamma,
+                                             axis=self.axis, epsilon=self.epsilon)
+
+            if isinstance(training, (bool, int)) and not training:
+                return normalize_inference()
+            mean = K.mean(inputs, axis=axes)
+            variance = K.mean(K.square(inputs - mean), axis=axes)
+            normed = (inputs - mean) / K.sqrt(variance + self.epsilon) * self.gamma + self.beta
+            self.add_update([K.moving_average_update(self.moving_mean, mean, self.momentum),
+                             K.moving_average_update(self.moving_variance, variance, self.momentum)], inputs)
+            return K.in_train_phase(normed, normalize_inference, training=training)
+
+    return KerasBatchNormalization

@@ -7,11 +7,17 @@ Two uses:
 - a backend of its own, ``numpy`` (``NumpyBackend``): float32 training with NumPy on the CPU, or
   with CuPy on ``--device gpu`` when CuPy and a CUDA device are present.
 
-Semantics follow Keras 3, since the shared initial weights and the workload YAML do: TF 'same'
-padding (extra pixel after), 'valid' max pooling with stride = pool size by default, inverted
-dropout, softmax + categorical cross-entropy computed from the logits, Keras optimizer formulas
-and defaults (see ``_numpy_ops``). A network that does not end in softmax has its outputs taken
-as logits by the loss (``from_logits=True``).
+This module *defines* the conventions every adapter converts to. They follow Keras 3, since the
+shared initial weights and the workload YAML do: TF 'same' padding (extra pixel after, at any
+stride), max-pool padding that never wins a max, 'valid' max pooling with stride = pool size by
+default, inverted dropout; batchnorm with batch statistics in training steps (biased variance,
+which also updates the moving variance: ``moving = momentum * moving + (1 - momentum) * batch``)
+and the moving statistics in inference; softmax + categorical cross-entropy computed from the
+logits, plus the L2 penalty ``rate * sum(kernel ** 2)`` when the workload asks for one; Keras
+optimizer formulas and defaults, Nesterov's SGD and decoupled weight decay included (see
+``_numpy_ops``). A network that does not end in softmax has its outputs taken as logits by the
+loss (``from_logits=True``). The network is the resolved graph (``benchbackend.graph``): a layer's
+gradient is the sum over every layer that reads its output.
 """
 from __future__ import annotations
 
@@ -22,122 +28,207 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import BackendUnavailable
-from ..model import final_softmax
-from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from ..graph import INPUT, Graph, Node, resolve
+from ..model import kernel_mask, trainable_mask
+from ..workload import (
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    MaxPool2D,
+    TrainingSpec,
+    Workload,
+)
 from . import _numpy_ops as ops
 from .base import Backend, batches, gpu_index
 
 Array = ops.Array
 
 
-def _activation(layer: Any) -> str:
-    return getattr(layer, "activation", getattr(layer, "function", "none"))
-
-
 class Network:
-    """The layers of a workload run as array functions over a flat weight list.
+    """A resolved graph run as array functions over a flat weight list.
 
-    ``weights`` is ``[kernel0, bias0, kernel1, bias1, ...]`` in the canonical layout; the list's
-    arrays are used as they are (not copied), so an optimizer stepping on ``weights`` trains the
-    network. The dtype and array module (NumPy or CuPy) are those of the weights and inputs.
+    ``weights`` is the canonical flat list (``benchbackend.model``); its arrays are used as they
+    are (not copied), so an optimizer stepping on ``params()`` trains the network, and a training
+    pass updates the batchnorm moving statistics in place. The dtype and array module (NumPy or
+    CuPy) are those of the weights and inputs. ``l2``: the rate of an L2 penalty on the kernels,
+    added to the loss (``training.weight_decay`` of kind ``l2``).
     """
 
-    def __init__(self, layers: Sequence[Any], weights: Sequence[Array]):
-        self.layers = tuple(layers)
+    def __init__(self, graph: Graph, weights: Sequence[Array], l2: float = 0.0):
+        self.graph = graph
         self.weights = list(weights)
-        expected = 2 * sum(isinstance(layer, (Conv2D, Dense)) for layer in self.layers)
-        if len(self.weights) != expected:
-            raise ValueError(f"the model has {expected} weight arrays; got {len(self.weights)}")
+        if len(self.weights) != graph.n_weights:
+            raise ValueError(f"the model has {graph.n_weights} weight arrays; got {len(self.weights)}")
+        self.kernels = kernel_mask(graph)
+        self.trainable = trainable_mask(graph)
+        self.l2 = l2
         #: The loss is computed from the logits behind a final softmax (see ``softmax_cross_entropy``).
-        self.softmax_out = final_softmax(self.layers)
+        self.softmax_out = graph.ends_in_softmax()
 
-    def forward(self, x: Array) -> Array:
-        """Inference-mode output (dropout off): probabilities if the network ends in softmax."""
-        scores = self.logits(x)
+    def params(self) -> list[Array]:
+        """The trainable arrays (what an optimizer steps), in weight order."""
+        return [w for w, t in zip(self.weights, self.trainable) if t]
+
+    def kernel_arrays(self) -> list[Array]:
+        return [w for w, k in zip(self.weights, self.kernels) if k]
+
+    def forward(self, x: Array, training: bool = False) -> Array:
+        """Output with dropout off: probabilities if the network ends in softmax. ``training``:
+        batchnorm uses the batch's statistics (and leaves the moving ones as they are)."""
+        scores = self.logits(x, training)
         return ops.softmax(scores) if self.softmax_out else scores
 
-    def logits(self, x: Array) -> Array:
-        """Inference-mode scores before a final softmax (the output itself when there is none)."""
-        return self._run(x, rng=None, keep=False)[0]
+    def logits(self, x: Array, training: bool = False) -> Array:
+        """Scores before a final softmax (the output itself when there is none), dropout off."""
+        return self._run(x, rng=None, training=training, update=False, keep=False)[0]
 
     def loss_and_grads(self, x: Array, y: Array, rng: Any = None) -> tuple[Array, list[Array], Array]:
-        """(mean loss, gradients in weight order, scores) of one training batch.
+        """(mean loss, gradients of ``params()``, scores) of one training step's forward and backward.
 
-        ``y`` is one-hot; ``rng`` drives dropout, and ``None`` turns dropout off. ``scores`` are the
-        logits (pre-softmax) of the training forward pass, e.g. for the training accuracy.
+        ``y`` is one-hot; ``rng`` drives dropout, and ``None`` turns dropout off. Batchnorm uses
+        the batch statistics and updates its moving ones. The loss includes the L2 penalty.
+        ``scores`` are the logits (pre-softmax), e.g. for the training accuracy.
         """
-        scores, tape = self._run(x, rng=rng, keep=True)
+        scores, tape = self._run(x, rng=rng, training=True, update=True, keep=True)
         loss, _, probs = ops.softmax_cross_entropy(scores, y)
         # Fused softmax + cross-entropy gradient of the batch mean: d loss / d logits = (p - y) / N.
-        return loss, self._backward((probs - y) / len(x), tape), scores
+        grads = self._backward((probs - y) / len(x), tape)
+        if self.l2:
+            loss = loss + ops.l2_penalty(self.kernel_arrays(), self.l2)
+            grads = [g + 2 * self.l2 * w if k else g for g, w, k in zip(grads, self.weights, self.kernels)]
+        return loss, [g for g, t in zip(grads, self.trainable) if t], scores
 
     def loss(self, x: Array, y: Array, rng: Any = None) -> Array:
-        """Mean loss of a batch (``loss_and_grads`` without the backward pass)."""
-        scores, _ = self._run(x, rng=rng, keep=False)
-        return ops.softmax_cross_entropy(scores, y)[0]
+        """Mean training-mode loss of a batch (``loss_and_grads`` without the backward pass or an update)."""
+        scores, _ = self._run(x, rng=rng, training=True, update=False, keep=False)
+        loss = ops.softmax_cross_entropy(scores, y)[0]
+        return loss + ops.l2_penalty(self.kernel_arrays(), self.l2) if self.l2 else loss
 
-    def _run(self, x: Array, rng: Any, keep: bool) -> tuple[Array, list[tuple]]:
+    def _run(self, x: Array, rng: Any, training: bool, update: bool, keep: bool) -> tuple[Array, list[tuple]]:
+        g, values = self.graph, []
         tape: list[tuple] = []
-        k = 0
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            fn = _activation(layer)
-            if i == last and fn == "softmax":
+        for node in g.nodes:
+            ins = [x if j == INPUT else values[j] for j in node.inputs]
+            out, cache = self._layer(node, ins, g.weights_of(node, self.weights), rng, training, update)
+            fn = node.activation
+            if node is g.output and fn == "softmax":
                 fn = "none"  # the loss (or ``forward``) applies it
-            cache: Any = None
-            if isinstance(layer, Conv2D):
-                x, cache = ops.conv2d(x, self.weights[k], self.weights[k + 1], layer.stride, layer.padding)
-                k += 2
-            elif isinstance(layer, Dense):
-                x, cache = ops.dense(x, self.weights[k], self.weights[k + 1])
-                k += 2
-            elif isinstance(layer, MaxPool2D):
-                x, cache = ops.maxpool2d(x, layer.pool_size, layer.stride or layer.pool_size)
-            elif isinstance(layer, Dropout):
-                if rng is not None and layer.rate > 0:
-                    x, cache = ops.dropout(x, layer.rate, rng)
-            elif isinstance(layer, Flatten):
-                cache = x.shape
-                x = x.reshape(len(x), -1)  # NHWC order, as the canonical dense kernel expects
-            elif not isinstance(layer, ActivationLayer):
-                raise TypeError(f"unknown layer {layer!r}")
-            pre = x
-            x = ops.activate(pre, fn)
+            pre, post = out, ops.activate(out, fn)
+            values.append(post)
             if keep:
-                tape.append((cache, fn, pre, x))
-        return x, tape
+                tape.append((cache, fn, pre, post))
+        return values[-1], tape
 
-    def _backward(self, g: Array, tape: list[tuple]) -> list[Array]:
+    @staticmethod
+    def _layer(node: Node, ins: list[Array], w: list[Array], rng: Any, training: bool, update: bool
+               ) -> tuple[Array, Any]:
+        layer, x = node.layer, ins[0]
+        if isinstance(layer, Conv2D):
+            return ops.conv2d(x, w[0], w[1] if layer.use_bias else None, layer.stride, node.pads)
+        if isinstance(layer, Dense):
+            return ops.dense(x, w[0], w[1])
+        if isinstance(layer, MaxPool2D):
+            return ops.maxpool2d(x, layer.pool_size, layer.stride or layer.pool_size, node.pads)
+        if isinstance(layer, BatchNorm):
+            if not training:
+                return ops.batchnorm_infer(x, *w, layer.epsilon), None
+            out, cache, mean, var = ops.batchnorm_train(x, w[0], w[1], layer.epsilon)
+            if update:
+                ops.moving_update(w[2], mean, layer.momentum)
+                ops.moving_update(w[3], var, layer.momentum)
+            return out, cache
+        if isinstance(layer, Add):
+            return sum(ins[1:], ins[0]), None
+        if isinstance(layer, GlobalAvgPool):
+            return ops.global_avgpool(x), x.shape
+        if isinstance(layer, Dropout):
+            if rng is not None and layer.rate > 0:
+                return ops.dropout(x, layer.rate, rng)
+            return x, None
+        if isinstance(layer, Flatten):
+            return x.reshape(len(x), -1), x.shape  # NHWC order, as the canonical dense kernel expects
+        if isinstance(layer, ActivationLayer):
+            return x, None
+        raise TypeError(f"unknown layer {layer!r}")
+
+    def _backward(self, g_out: Array, tape: list[tuple]) -> list[Array]:
+        """Gradients of every weight array (None for the moving statistics), in weight order."""
+        graph = self.graph
         grads: list[Array] = [None] * len(self.weights)
-        k = len(self.weights)
-        for i in range(len(self.layers) - 1, -1, -1):
-            layer = self.layers[i]
-            cache, fn, pre, post = tape[i]
+        pending: list[Array] = [None] * len(graph.nodes)  # d loss / d output of each node, summed over readers
+        pending[-1] = g_out
+        for node in reversed(graph.nodes):
+            cache, fn, pre, post = tape[node.index]
+            g, pending[node.index] = pending[node.index], None
             g = ops.activate_backward(g, fn, pre, post)
-            if isinstance(layer, Conv2D):
-                k -= 2
-                g, grads[k], grads[k + 1] = ops.conv2d_backward(g, cache, need_dx=i > 0)
-            elif isinstance(layer, Dense):
-                k -= 2
-                g, grads[k], grads[k + 1] = ops.dense_backward(g, cache)
-            elif isinstance(layer, MaxPool2D):
-                g = ops.maxpool2d_backward(g, cache)
-            elif isinstance(layer, Dropout) and cache is not None:
-                g = g * cache
-            elif isinstance(layer, Flatten):
-                g = g.reshape(cache)
+            ins, ws = self._layer_backward(node, g, cache)
+            start = graph.offsets[node.index]
+            for j, dw in enumerate(ws):
+                grads[start + j] = dw
+            for j, dx in zip(node.inputs, ins):
+                if j != INPUT and dx is not None:
+                    pending[j] = dx if pending[j] is None else pending[j] + dx
         return grads
+
+    @staticmethod
+    def _layer_backward(node: Node, g: Array, cache: Any) -> tuple[list[Array], list[Array]]:
+        """(gradients of the inputs, gradients of the node's weights)."""
+        layer = node.layer
+        if isinstance(layer, Conv2D):
+            dx, dw, db = ops.conv2d_backward(g, cache, need_dx=node.inputs != (INPUT,))
+            return [dx], [dw] + ([db] if layer.use_bias else [])
+        if isinstance(layer, Dense):
+            dx, dw, db = ops.dense_backward(g, cache)
+            return [dx], [dw, db]
+        if isinstance(layer, MaxPool2D):
+            return [ops.maxpool2d_backward(g, cache)], []
+        if isinstance(layer, BatchNorm):
+            dx, dgamma, dbeta = ops.batchnorm_train_backward(g, cache)
+            return [dx], [dgamma, dbeta, None, None]
+        if isinstance(layer, Add):
+            return [g] * len(node.inputs), []
+        if isinstance(layer, GlobalAvgPool):
+            return [ops.global_avgpool_backward(g, cache)], []
+        if isinstance(layer, Dropout):
+            return [g if cache is None else g * cache], []
+        if isinstance(layer, Flatten):
+            return [g.reshape(cache)], []
+        return [g], []
+
+
+def network(workload: Workload, weights: Sequence[Array]) -> Network:
+    """The workload's network on ``weights``, with its L2 penalty."""
+    decay = workload.training.weight_decay
+    return Network(resolve(workload), weights, l2=decay.rate if decay and decay.kind == "l2" else 0.0)
+
+
+def train_step(net: Network, optimizer: ops.Optimizer, x: Array, y: Array, training: TrainingSpec,
+               rng: Any = None) -> tuple[Array, Array]:
+    """One training step (the loss, the logits): forward and backward, decoupled weight decay if
+    the workload asks for it, then the optimizer's update of ``net.params()``."""
+    loss, grads, scores = net.loss_and_grads(x, y, rng)
+    decay = training.weight_decay
+    if decay is not None and decay.kind == "decoupled":
+        ops.decay_decoupled(net.kernel_arrays(), training.lr, decay.rate)
+    optimizer.step(net.params(), grads)
+    return loss, scores
 
 
 # --- ground truth for the worker's checks ------------------------------------------------------
 def forward(workload: Workload, weights: Sequence[np.ndarray], x: np.ndarray,
-            dtype: Any = np.float64) -> np.ndarray:
-    """Inference-mode output of the workload's network on ``x`` (NHWC), computed in ``dtype``.
+            dtype: Any = np.float64, training: bool = False) -> np.ndarray:
+    """Output of the workload's network on ``x`` (NHWC), computed in ``dtype``, dropout off:
+    inference mode (batchnorm's moving statistics), or with ``training`` the batch statistics.
 
     Returns float64 NumPy: probabilities when the network ends in softmax.
     """
-    net = Network(workload.model, [np.asarray(w, dtype) for w in weights])
-    return np.asarray(net.forward(np.asarray(x, dtype)), np.float64)
+    net = network(workload, [np.array(w, dtype) for w in weights])
+    return np.asarray(net.forward(np.asarray(x, dtype), training=training), np.float64)
 
 
 def train_losses(workload: Workload, weights: Sequence[np.ndarray],
@@ -149,18 +240,17 @@ def train_losses(workload: Workload, weights: Sequence[np.ndarray],
     step's update (as frameworks report it). ``weights`` are not modified. ``optimizer`` replaces
     the workload's (benchmarks/trajectory_spread.py runs deliberately wrong rules through it).
     """
-    return _train_steps(workload, [np.array(w, dtype) for w in weights],
+    return _train_steps(workload, network(workload, [np.array(w, dtype) for w in weights]),
                         optimizer or ops.make_optimizer(workload.training), batches, np, dtype)
 
 
-def _train_steps(workload: Workload, weights: list[Array], optimizer: ops.Optimizer,
+def _train_steps(workload: Workload, net: Network, optimizer: ops.Optimizer,
                  batch_list: Sequence[tuple[np.ndarray, np.ndarray]], xp: ModuleType, dtype: Any) -> list[float]:
-    net = Network(workload.model, weights)
     losses = []
     for x, y in batch_list:
         labels = xp.asarray(np.asarray(y, np.int64))
-        loss, grads, _ = net.loss_and_grads(xp.asarray(x, dtype), ops.one_hot(labels, workload.num_classes, dtype))
-        optimizer.step(net.weights, grads)
+        y1 = ops.one_hot(labels, workload.num_classes, dtype)
+        loss, _ = train_step(net, optimizer, xp.asarray(x, dtype), y1, workload.training)
         losses.append(float(loss))
     return losses
 
@@ -232,7 +322,7 @@ class NumpyBackend(Backend):
         return name.decode() if isinstance(name, bytes) else str(name)
 
     def build(self, weights: Sequence[np.ndarray]) -> int:
-        self.net = Network(self.workload.model, [self.xp.array(w, dtype=self.dtype) for w in weights])
+        self.net = network(self.workload, [self.xp.array(w, dtype=self.dtype) for w in weights])
         self.optimizer = ops.make_optimizer(self.workload.training)
         entropy = [self.workload.seed % 2**64, 0xD209]  # SeedSequence rejects negative seeds
         seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
@@ -266,8 +356,7 @@ class NumpyBackend(Backend):
         for idx in batches(order, self.workload.training.batch_size):
             x, labels = x_all[idx], y_all[idx]
             y = ops.one_hot(labels, self.workload.num_classes, self.dtype)
-            loss, grads, scores = net.loss_and_grads(x, y, self.rng)
-            self.optimizer.step(net.weights, grads)  # type: ignore[union-attr]
+            loss, scores = train_step(net, self.optimizer, x, y, self.workload.training, self.rng)
             loss_sum += loss * len(idx)
             correct += (scores.argmax(axis=1) == labels).sum()
         n = len(order)
@@ -280,7 +369,10 @@ class NumpyBackend(Backend):
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         net = self._net()
-        return _train_steps(self.workload, net.weights, self.optimizer, batches, self.xp, self.dtype)
+        return _train_steps(self.workload, net, self.optimizer, batches, self.xp, self.dtype)
+
+    def train_scores(self, x: Array) -> Array:
+        return self._net().forward(x, training=True)
 
     def get_weights(self) -> list[np.ndarray]:
         return [_to_host(w).copy() for w in self._net().weights]

@@ -15,10 +15,9 @@ import numpy as np
 import tensorflow as tf
 
 from ..errors import BackendUnavailable
-from ..model import final_softmax
-from ..workload import ActivationLayer, Workload
+from ..workload import Workload
 from .base import Backend, gemm_rate, gpu_index
-from .keras_layers import keras_layers
+from .keras_layers import KerasNet, keras3_build, keras3_optimizer
 
 _POLICY = {"fp32": "float32", "bf16": "mixed_bfloat16"}
 
@@ -81,52 +80,37 @@ class TensorFlowBackend(Backend):
         return {"dtype_policy": self.policy} if self.policy != "float32" else {}
 
     # --- model ------------------------------------------------------------------------------
-    def _model(self, dropout: bool = True) -> keras.Model:
-        inputs = [keras.Input(shape=self.workload.input_shape)]
+    def _net(self, dropout: bool = True) -> KerasNet:
+        # Keras' mixed-precision advice: the output softmax in float32, so that the probabilities
+        # and the loss are not rounded to bfloat16's 8 bits.
         if self.policy == "float32":
-            return keras.Sequential(inputs + keras_layers(self.workload, keras.layers, dropout))
-        layers = keras_layers(self.workload, _PolicyLayers(self.policy), dropout)
-        if final_softmax(self.workload.model):
-            # Keras' mixed-precision advice: the output softmax in float32, so that the
-            # probabilities and the loss are not rounded to bfloat16's 8 bits.
-            if isinstance(self.workload.model[-1], ActivationLayer):
-                layers[-1] = keras.layers.Activation("softmax", dtype="float32")
-            else:
-                config = {**layers[-1].get_config(), "activation": "linear"}
-                layers[-1] = type(layers[-1]).from_config(config)
-                layers.append(keras.layers.Activation("softmax", dtype="float32"))
-        return keras.Sequential(inputs + layers)
-
-    def _optimizer(self) -> keras.optimizers.Optimizer:
-        t = self.workload.training
-        if t.optimizer == "sgd":
-            return keras.optimizers.SGD(learning_rate=t.lr, momentum=t.momentum)
-        if t.optimizer == "adam":
-            return keras.optimizers.Adam(learning_rate=t.lr)
-        return keras.optimizers.RMSprop(learning_rate=t.lr)
+            return keras3_build(self.workload, keras, dropout=dropout)
+        return keras3_build(self.workload, keras, _PolicyLayers(self.policy), dropout=dropout, output_dtype="float32")
 
     def build(self, weights: Sequence[np.ndarray]) -> int:
         with tf.device(self.device):
-            self.model = self._model()
-            self.model.set_weights(list(weights))  # Keras' own layout is the canonical one
-            self.opt = self._optimizer()
+            self.net = self._net()
+            self.model = self.net.model
+            self.net.set(weights)  # Keras' own layouts are the canonical ones
+            self.opt = keras3_optimizer(keras, self.workload, self.net)
             self.opt.build(self.model.trainable_variables)
             self.loss_fn = keras.losses.CategoricalCrossentropy()
-        self._compile_steps()
+        self._train_step, self._predict_step = self._compile_steps(self.model, self.opt)
+        self._twin: Any = None
         return int(sum(int(np.prod(v.shape)) for v in self.model.weights))
 
-    def _compile_steps(self) -> None:
-        nc = self.workload.num_classes
-        model, opt, loss_fn = self.model, self.opt, self.loss_fn
+    def _compile_steps(self, model: keras.Model, opt: Any) -> tuple[Any, Any]:
+        nc, loss_fn = self.workload.num_classes, self.loss_fn
         # No input_signature: each batch shape (full, and the last short one) gets its own trace
         # with static shapes, which TF's CPU kernels run measurably faster (5-9% on cifar10) than
         # a single trace with an unknown batch dimension (and XLA compiles static shapes only).
-        # ``training`` is a Python bool: the trajectory check runs this same step, dropout off.
         @tf.function(jit_compile=self.jit)
-        def train_step(x, y, training=True):
+        def train_step(x, y):
             with tf.GradientTape() as tape:
-                probs = tf.cast(model(x, training=training), tf.float32)
+                probs = tf.cast(model(x, training=True), tf.float32)
                 loss = loss_fn(tf.one_hot(y, nc), probs)
+                if model.losses:  # the L2 kernel regularizers, as Keras' fit adds them
+                    loss = loss + tf.add_n([tf.cast(v, tf.float32) for v in model.losses])
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables))
             # Returned, not accumulated in variables: assign_add adds ordering constraints
@@ -137,10 +121,18 @@ class TensorFlowBackend(Backend):
         def predict_step(x):
             return tf.cast(model(x, training=False), tf.float32)
 
-        self._train_step, self._predict_step = train_step, predict_step
+        return train_step, predict_step
+
+    def _no_dropout_twin(self) -> KerasNet:
+        """The network without dropout layers, on the current weights (batchnorm in training mode
+        then runs without dropout: the trajectory check and the training-mode parity)."""
+        with tf.device(self.device):
+            twin = self._net(dropout=False)
+            twin.set(self.net.get())
+        return twin
 
     def get_weights(self) -> list[np.ndarray]:
-        return [np.asarray(w) for w in self.model.get_weights()]
+        return [np.asarray(w) for w in self.net.get()]
 
     def threads(self) -> int:
         return tf.config.threading.get_intra_op_parallelism_threads() or (os.cpu_count() or 1)
@@ -184,12 +176,23 @@ class TensorFlowBackend(Backend):
             return tf.concat([self._predict_step(x[s:s + batch_size]) for s in range(0, n, batch_size)], 0)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        # A twin without dropout, with its own optimizer: the worker builds afresh afterwards.
+        twin = self._no_dropout_twin()
+        with tf.device(self.device):
+            opt = keras3_optimizer(keras, self.workload, twin)
+            opt.build(twin.model.trainable_variables)
+        step, _ = self._compile_steps(twin.model, opt)
         losses = []
         with tf.device(self.device):
             for xb, yb in batches:
-                loss, _ = self._train_step(tf.constant(xb, tf.float32), tf.constant(yb, tf.int64), training=False)
+                loss, _ = step(tf.constant(xb, tf.float32), tf.constant(yb, tf.int64))
                 losses.append(float(loss.numpy()))
         return losses
+
+    def train_scores(self, x: tf.Tensor) -> tf.Tensor:
+        twin = self._no_dropout_twin()  # its moving statistics may change; the model's do not
+        with tf.device(self.device):
+            return tf.cast(twin.model(x, training=True), tf.float32)
 
     def gemm_peak(self, precision: str) -> float:
         """Best FLOP/s of a square matmul in ``precision``, synced (n 2048 and 4096 on CPU, 8192 on

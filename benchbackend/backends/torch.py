@@ -19,25 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BackendUnavailable
-from ..model import describe, from_nchw_weights, same_pads, to_nchw_weights
-from ..workload import ActivationLayer, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Workload
+from ..graph import resolve
+from ..model import from_nchw_weights, to_nchw_weights
+from ..workload import Workload
 from ._numpy_ops import keras_adam_step_size
 from .base import Backend, gemm_rate, gpu_index
+from .torch_graph import GraphNet, count
 
-_ACT = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 _AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Distinct graphs torch.compile may keep per cell: train/eval x every batch shape (training,
 #: short last batch, parity, validation, inference). Past dynamo's default (8) it would silently
 #: fall back to eager.
 _COMPILE_GRAPHS = 64
-
-
-def _activation(name: str, last: bool) -> list[nn.Module]:
-    if name == "none" or (name == "softmax" and last):
-        return []  # the final softmax is fused into the loss (cross_entropy on logits)
-    if name == "softmax":
-        return [nn.Softmax(dim=1)]
-    return [_ACT[name]()]
 
 
 def cuda_device(device: str, backend: str) -> torch.device:
@@ -76,7 +69,7 @@ class TorchBackend(Backend):
         self.channels_last = "channels_last" in parts
         self.compiled = "compile" in parts
         self.amp_dtype = _AMP[precision]
-        self.net: nn.Sequential | None = None
+        self.net: GraphNet | None = None
 
     @classmethod
     def probe(cls) -> dict:
@@ -138,43 +131,9 @@ class TorchBackend(Backend):
         return np.asarray(value)
 
     # --- model ------------------------------------------------------------------------------
-    def _layers(self) -> list[nn.Module]:
-        mods: list[nn.Module] = []
-        n = len(self.workload.model)
-        for i, (layer, info) in enumerate(zip(self.workload.model, describe(self.workload))):
-            last = i == n - 1
-            if isinstance(layer, Conv2D):
-                c_in = info.in_shape[2]
-                pad: int | str = 0
-                if layer.padding == "same":
-                    ph = same_pads(info.in_shape[0], layer.kernel_size, layer.stride)
-                    pw = same_pads(info.in_shape[1], layer.kernel_size, layer.stride)
-                    if ph[0] == ph[1] and pw[0] == pw[1]:
-                        pad = (ph[0], pw[0])  # type: ignore[assignment]
-                    else:  # TF puts the odd pixel after; torch pads symmetrically
-                        mods.append(nn.ZeroPad2d((pw[0], pw[1], ph[0], ph[1])))
-                mods.append(nn.Conv2d(c_in, layer.filters, layer.kernel_size, layer.stride, pad))
-                mods += _activation(layer.activation, last)
-            elif isinstance(layer, MaxPool2D):
-                mods.append(nn.MaxPool2d(layer.pool_size, layer.stride or layer.pool_size))
-            elif isinstance(layer, Dropout):
-                mods.append(nn.Dropout(layer.rate))
-            elif isinstance(layer, Flatten):
-                mods.append(nn.Flatten())
-            elif isinstance(layer, Dense):
-                mods.append(nn.Linear(info.in_shape[0], layer.units))
-                mods += _activation(layer.activation, last)
-            elif isinstance(layer, ActivationLayer):
-                mods += _activation(layer.function, last)
-        return mods
-
-    def _weighted(self) -> list[nn.Module]:
-        assert self.net is not None
-        return [m for m in self.net if isinstance(m, (nn.Conv2d, nn.Linear))]
-
     def build(self, weights: Sequence[np.ndarray]) -> int:
         if self.net is None:
-            self.net = nn.Sequential(*self._layers()).to(self.device)
+            self.net = GraphNet(resolve(self.workload)).to(self.device)
             if self.channels_last:
                 self.net = self.net.to(memory_format=torch.channels_last)
             self.model: nn.Module = self.net
@@ -190,12 +149,15 @@ class TorchBackend(Backend):
                 self.model = torch.compile(self.net, dynamic=False)
         # A second build (after the trajectory check) reloads the weights into the same modules:
         # a compiled model keeps its graphs.
-        self._load(weights)
+        self.net.load(to_nchw_weights(self.workload, weights))
+        self.net.set_mode(dropout=True, update_statistics=True)
         t = self.workload.training
         params = self.net.parameters()
         # Keras defaults, so every backend runs the same optimizer (torch's own defaults differ).
+        # Weight decay is not torch's `weight_decay` (an L2 gradient on every parameter): the loss
+        # takes the L2 penalty of the kernels, or the kernels are scaled before the step (decoupled).
         if t.optimizer == "sgd":
-            self.opt = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum)
+            self.opt = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, nesterov=t.nesterov)
         elif t.optimizer == "adam":
             self.opt = torch.optim.Adam(params, lr=t.lr, betas=(0.9, 0.999), eps=1e-7)
         else:
@@ -203,21 +165,40 @@ class TorchBackend(Backend):
             # the trajectory check (--parity-steps) shows the difference.
             self.opt = torch.optim.RMSprop(params, lr=t.lr, alpha=0.9, eps=1e-7)
         self._adam_steps = 0
+        self.kernels = self.net.kernels()
+        decay = t.weight_decay
+        self.l2 = decay.rate if decay is not None and decay.kind == "l2" else 0.0
+        self.decoupled = decay.rate * t.lr if decay is not None and decay.kind == "decoupled" else 0.0
         # fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range.
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype is torch.float16 else None
-        return sum(p.numel() for p in self.net.parameters())
+        return count(self.net)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy from the logits (autocast computes it in float32), plus the L2 penalty."""
+        loss = F.cross_entropy(logits, labels)
+        if self.l2:
+            loss = loss + self.l2 * sum((k * k).sum() for k in self.kernels)
+        return loss
 
     def _backward_step(self, loss: torch.Tensor) -> None:
         self.opt.zero_grad(set_to_none=True)
         if self.scaler is None:
             loss.backward()
+            self._decay()
             self._keras_adam_step()
             self.opt.step()
             return
         self.scaler.scale(loss).backward()
+        self._decay()
         self._keras_adam_step()
         self.scaler.step(self.opt)  # skipped when the scaled gradients hold inf/NaN
         self.scaler.update()
+
+    def _decay(self) -> None:
+        """Decoupled weight decay, as Keras 3 applies it before the update: ``k -= k * rate * lr``."""
+        if self.decoupled:
+            with torch.no_grad():
+                torch._foreach_mul_(self.kernels, 1.0 - self.decoupled)
 
     def _keras_adam_step(self) -> None:
         """Make torch's Adam take Keras' step t: ``alpha_t * m / (sqrt(v) + eps)``.
@@ -241,16 +222,9 @@ class TorchBackend(Backend):
         group["eps"] = 1e-7 / math.sqrt(bc2)
         group["lr"] = keras_adam_step_size(lr, 0.9, 0.999, t) * bc1 / math.sqrt(bc2)
 
-    def _load(self, weights: Sequence[np.ndarray]) -> None:
-        converted = to_nchw_weights(self.workload, weights)
-        with torch.no_grad():
-            for mod, w, b in zip(self._weighted(), converted[0::2], converted[1::2]):
-                mod.weight.copy_(torch.from_numpy(w))
-                mod.bias.copy_(torch.from_numpy(b))
-
     def get_weights(self) -> list[np.ndarray]:
-        raw = [t.detach().cpu().numpy() for mod in self._weighted() for t in (mod.weight, mod.bias)]
-        return from_nchw_weights(self.workload, raw)
+        assert self.net is not None
+        return from_nchw_weights(self.workload, [t.detach().cpu().numpy() for t in self.net.arrays()])
 
     # --- data -------------------------------------------------------------------------------
     def to_device(self, x: np.ndarray) -> torch.Tensor:
@@ -275,7 +249,7 @@ class TorchBackend(Backend):
             xb, yb = x[start:start + bs], y[start:start + bs]
             with self._autocast():
                 logits = self.model(xb)
-                loss = F.cross_entropy(logits, yb)  # autocast computes it in float32
+                loss = self._loss(logits, yb)
             self._backward_step(loss)
             losses.append(loss.detach())
             preds.append(logits.detach().argmax(1))
@@ -297,12 +271,27 @@ class TorchBackend(Backend):
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         assert self.net is not None
-        self.net.eval()  # dropout off; there is no layer whose gradient depends on the mode
+        self.net.train()  # batchnorm on batch statistics, as a training step
+        self.net.set_mode(dropout=False, update_statistics=True)
         losses = []
         for xb, yb in batches:
             with self._autocast():
                 logits = self.model(self.to_device(xb))
-                loss = F.cross_entropy(logits, torch.from_numpy(yb.astype(np.int64)).to(self.device))
+                loss = self._loss(logits, torch.from_numpy(yb.astype(np.int64)).to(self.device))
             self._backward_step(loss)
             losses.append(loss.item())
+        self.net.set_mode(dropout=True, update_statistics=True)
         return losses
+
+    @torch.no_grad()
+    def train_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Probabilities of a training-mode forward pass (batch statistics), dropout off, nothing updated."""
+        assert self.net is not None
+        self.net.train()
+        self.net.set_mode(dropout=False, update_statistics=False)
+        try:
+            with self._autocast():
+                logits = self.model(x)
+        finally:
+            self.net.set_mode(dropout=True, update_statistics=True)
+        return torch.softmax(logits.float(), dim=1)

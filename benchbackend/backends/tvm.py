@@ -28,9 +28,11 @@ from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
 from ..errors import BackendUnavailable
-from ..model import describe, same_pads, weight_shapes
+from ..graph import INPUT as GRAPH_INPUT
+from ..graph import Node, resolve
+from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
 from ..paths import cache_dir
-from ..workload import ActivationLayer, Conv2D, Dense, Flatten, MaxPool2D, Workload
+from ..workload import Workload
 from .base import Backend
 
 #: Layouts of the Relax graph; the canonical ones, so weights and inputs need no conversion.
@@ -63,40 +65,57 @@ def _activation(x: relax.Expr, name: str) -> relax.Expr:
     return {"relu": relax.op.nn.relu, "tanh": relax.op.tanh, "sigmoid": relax.op.sigmoid}[name](x)
 
 
+def _pads(node: Node) -> tuple[int, int, int, int]:
+    (top, bottom), (left, right) = node.pads  # type: ignore[misc]
+    return top, left, bottom, right
+
+
+def _relax_node(bb: relax.BlockBuilder, node: Node, ins: list, w: list, batch: int) -> relax.Expr:
+    """One graph node's Relax expression (before its activation), NHWC/HWIO throughout."""
+    layer, h = node.layer, ins[0]
+    if isinstance(layer, Conv2D):
+        h = bb.emit(relax.op.nn.conv2d(h, w[0], strides=layer.stride, padding=_pads(node),
+                                       data_layout=DATA_LAYOUT, kernel_layout=KERNEL_LAYOUT))
+        return relax.op.add(h, w[1]) if layer.use_bias else h
+    if isinstance(layer, MaxPool2D):
+        # TVM pads a max-pool with the lowest value: a pad never wins a max.
+        return relax.op.nn.max_pool2d(h, layer.pool_size, layer.stride or layer.pool_size, padding=_pads(node),
+                                      layout=DATA_LAYOUT)
+    if isinstance(layer, Dense):
+        return relax.op.add(relax.op.matmul(h, w[0]), w[1])
+    if isinstance(layer, BatchNorm):
+        # Inference mode, written out: (x - mean) * gamma / sqrt(var + eps) + beta on the moving statistics.
+        gamma, beta, mean, var = w
+        scale = bb.emit(relax.op.divide(gamma, relax.op.sqrt(relax.op.add(var, relax.const(layer.epsilon, "float32")))))
+        return relax.op.add(relax.op.multiply(relax.op.subtract(h, mean), scale), beta)
+    if isinstance(layer, Add):
+        for other in ins[1:]:
+            h = bb.emit(relax.op.add(h, other))
+        return h
+    if isinstance(layer, GlobalAvgPool):
+        return relax.op.mean(h, axis=[1, 2])
+    if isinstance(layer, Flatten):
+        return relax.op.reshape(h, (batch, -1))  # NHWC order, as the dense rows expect
+    if isinstance(layer, (Dropout, ActivationLayer)):
+        return h  # dropout: the identity at inference
+    raise TypeError(f"{node.label()}: no Relax translation")
+
+
 def relax_module(workload: Workload, batch: int) -> tvm.IRModule:
-    """``main(x, w0, b0, w1, b1, ...)`` -> class probabilities, for a static batch of ``batch``."""
+    """``main(x, w0, w1, ...)`` -> class probabilities, for a static batch of ``batch``; the
+    parameters are the canonical weight list, in order."""
     f32 = "float32"
+    graph = resolve(workload)
     x = relax.Var("x", relax.TensorType((batch, *workload.input_shape), f32))
-    params = [relax.Var(f"p{i}", relax.TensorType(shape, f32))
-              for i, shape in enumerate(weight_shapes(workload))]
-    pending = iter(params)
+    params = [relax.Var(f"p{i}", relax.TensorType(shape, f32)) for i, shape in enumerate(graph.weight_shapes())]
     bb = relax.BlockBuilder()
     with bb.function("main", [x, *params]):
         with bb.dataflow():
-            h: relax.Expr = x
-            for layer, info in zip(workload.model, describe(workload)):
-                if isinstance(layer, Conv2D):
-                    kernel, bias = next(pending), next(pending)
-                    pads = (0, 0, 0, 0)
-                    if layer.padding == "same":
-                        (top, bottom), (left, right) = (same_pads(info.in_shape[d], layer.kernel_size, layer.stride)
-                                                        for d in (0, 1))
-                        pads = (top, left, bottom, right)  # TF puts the odd pixel after, so pad explicitly
-                    h = bb.emit(relax.op.nn.conv2d(h, kernel, strides=layer.stride, padding=pads,
-                                                   data_layout=DATA_LAYOUT, kernel_layout=KERNEL_LAYOUT))
-                    h = bb.emit(_activation(relax.op.add(h, bias), layer.activation))
-                elif isinstance(layer, MaxPool2D):
-                    stride = layer.stride or layer.pool_size
-                    h = bb.emit(relax.op.nn.max_pool2d(h, layer.pool_size, stride, layout=DATA_LAYOUT))
-                elif isinstance(layer, Flatten):
-                    h = bb.emit(relax.op.reshape(h, (batch, -1)))  # NHWC order, as the dense rows expect
-                elif isinstance(layer, Dense):
-                    kernel, bias = next(pending), next(pending)
-                    h = bb.emit(_activation(relax.op.add(relax.op.matmul(h, kernel), bias), layer.activation))
-                elif isinstance(layer, ActivationLayer):
-                    h = bb.emit(_activation(h, layer.function))
-                # dropout: the identity at inference
-            out = bb.emit_output(h)
+            values: dict[int, relax.Expr] = {GRAPH_INPUT: x}
+            for node in graph.nodes:
+                out = _relax_node(bb, node, [values[j] for j in node.inputs], graph.weights_of(node, params), batch)
+                values[node.index] = bb.emit(_activation(out, node.activation))
+            out = bb.emit_output(values[graph.output.index])
         bb.emit_func_output(out)
     return bb.get()
 

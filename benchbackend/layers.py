@@ -1,0 +1,130 @@
+"""The layer vocabulary of a workload's ``model``: one validated record per layer type.
+
+Each record declares its fields with their defaults, which are the conventions every backend
+converts to (the NumPy reference defines them):
+
+- ``conv2d``: ``padding`` is ``same`` (TensorFlow's: the odd pixel after, at any stride),
+  ``valid``, an integer (every side) or ``[[top, bottom], [left, right]]``; ``use_bias``.
+- ``maxpool2d``: ``padding`` in the same forms (default ``valid``); padding never wins a max.
+- ``batchnorm``: Keras' ``momentum`` (``moving = momentum * moving + (1 - momentum) * batch``,
+  default 0.99) and ``epsilon`` (default 1e-3); the moving variance takes the *biased* batch
+  variance; batch statistics in training steps, moving statistics in inference.
+- ``add``: two or more inputs of one shape, summed.
+- ``global_avgpool``: (H, W, C) -> (C,).
+
+Any layer may carry ``name`` (to be named in another layer's ``inputs``) and ``inputs`` (layer
+names, or ``input`` for the network input; default: the previous layer's output). Fields added
+after the first release (``name``, ``inputs``, ``use_bias``, a max-pool's ``padding``) are left
+out of a layer's serialized form while at their defaults, so the workload hash of a network that
+does not use them is what it always was.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+Activation = Literal["none", "relu", "softmax", "tanh", "sigmoid"]
+#: ``same``, ``valid``, one integer for every side, or ``((top, bottom), (left, right))``.
+Padding = Union[Literal["same", "valid"], Annotated[int, Field(ge=0)],
+                tuple[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]],
+                      tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]]]
+#: The name ``inputs`` uses for the network input.
+INPUT_NAME = "input"
+
+
+class Strict(BaseModel):
+    """A frozen record that rejects unknown keys. Fields named in ``LATER`` were added after the
+    workload hash was fixed: they are not serialized while at their default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    LATER: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_later_defaults(self, handler: Any) -> Any:
+        out = handler(self)
+        for name in self.LATER:
+            if name in out and getattr(self, name) == type(self).model_fields[name].default:
+                del out[name]
+        return out
+
+
+class _Layer(Strict):
+    LATER: ClassVar[tuple[str, ...]] = ("name", "inputs")
+    name: Optional[str] = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$",
+                                description="a name other layers' `inputs` can refer to")
+    inputs: Optional[list[str]] = Field(default=None, min_length=1,
+                                        description="names of the layers (or `input`) this one reads")
+
+
+class Conv2D(_Layer):
+    LATER: ClassVar[tuple[str, ...]] = ("name", "inputs", "use_bias")
+    type: Literal["conv2d"]
+    filters: int = Field(gt=0)
+    kernel_size: int = Field(gt=0)
+    stride: int = Field(default=1, gt=0)
+    padding: Padding = "same"
+    activation: Activation = "none"
+    use_bias: bool = True
+
+
+class MaxPool2D(_Layer):
+    LATER: ClassVar[tuple[str, ...]] = ("name", "inputs", "padding")
+    type: Literal["maxpool2d"]
+    pool_size: int = Field(default=2, gt=0)
+    stride: Optional[int] = Field(default=None, gt=0)
+    padding: Padding = "valid"
+
+
+class Dropout(_Layer):
+    type: Literal["dropout"]
+    rate: float = Field(ge=0.0, lt=1.0)
+
+
+class Flatten(_Layer):
+    type: Literal["flatten"]
+
+
+class Dense(_Layer):
+    type: Literal["dense"]
+    units: int = Field(gt=0)
+    activation: Activation = "none"
+
+
+class ActivationLayer(_Layer):
+    type: Literal["activation"]
+    function: Activation
+
+
+class BatchNorm(_Layer):
+    type: Literal["batchnorm"]
+    momentum: float = Field(default=0.99, ge=0.0, lt=1.0,
+                            description="Keras' meaning: weight of the old moving average")
+    epsilon: float = Field(default=1e-3, gt=0.0)
+    activation: Activation = "none"
+
+
+class Add(_Layer):
+    type: Literal["add"]
+    activation: Activation = "none"
+
+
+class GlobalAvgPool(_Layer):
+    type: Literal["global_avgpool"]
+
+
+Layer = Annotated[Union[Conv2D, MaxPool2D, Dropout, Flatten, Dense, ActivationLayer, BatchNorm, Add, GlobalAvgPool],
+                  Field(discriminator="type")]
+LAYER_CLASSES: dict[str, type[_Layer]] = {
+    "conv2d": Conv2D, "maxpool2d": MaxPool2D, "dropout": Dropout, "flatten": Flatten, "dense": Dense,
+    "activation": ActivationLayer, "batchnorm": BatchNorm, "add": Add, "global_avgpool": GlobalAvgPool}
+LAYER_TYPES = tuple(LAYER_CLASSES)
+
+
+def activation_of(layer: Any) -> str:
+    """The activation a layer applies to its output ("none" for layers without one)."""
+    if isinstance(layer, ActivationLayer):
+        return layer.function
+    if isinstance(layer, (Conv2D, Dense, BatchNorm, Add)):
+        return layer.activation
+    return "none"
