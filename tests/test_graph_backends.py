@@ -77,7 +77,7 @@ def val_loss(rows: list[dict]) -> float:
     return next(r["val_loss"] for r in rows if r["phase"] == "train_epoch")
 
 
-@pytest.mark.parametrize("backend", backend_params(TRAINING))
+@pytest.mark.parametrize("backend", backend_params(TRAINING, build_isolated=True))
 def test_batchnorm_follows_keras_conventions_on_every_training_backend(tmp_path, envs_root, reference_val_loss,
                                                                        backend):
     w = trap()
@@ -136,7 +136,7 @@ def tiny_resnet8() -> Workload:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", backend_params(TRAINING + INFERENCE))
+@pytest.mark.parametrize("backend", backend_params(TRAINING + INFERENCE, build_isolated=True))
 def test_resnet8_smoke(tmp_path, envs_root, backend):
     w = tiny_resnet8()
     trains = backend in TRAINING
