@@ -52,7 +52,7 @@ def test_the_trajectory_check_catches_a_wrong_update_rule(tmp_path, monkeypatch,
     real = jb._update
     # An update rule that steps too far (the workload's lr is right; the rule is not). On cifar10,
     # 10% too far is caught despite the chaos that the 5e-2 tolerance allows for.
-    monkeypatch.setattr(jb, "_update", lambda opt, lr, mom, p, g, s: real(opt, lr * factor, mom, p, g, s))
+    monkeypatch.setattr(jb, "_update", lambda opt, lr, *rest, **kw: real(opt, lr * factor, *rest, **kw))
     w = small(name)
     _, rows = run(tmp_path, w, parity_steps=20)
     traj = [r for r in rows if r["phase"] == "parity"][1]
