@@ -206,23 +206,33 @@ def _summary(cells: list, out: Optional[Path], plots: bool) -> None:
 
 
 def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
-    """After a run: the compare table (when backends can be compared) and the plots."""
+    """After a run: the compare tables (when backends can be compared), the plots, then on stderr
+    the warnings the report holds (``compare.report_warnings``), and last the verdict."""
     from . import compare, experiments, results
 
     try:
         df = experiments.for_comparison(results.read(csv_path))
         outcome = compare.compare_frame(df)
-        if verdict:
-            click.echo("\n" + outcome.text)
-        if plots:
-            from . import plots as plotting
-
-            made = plotting.write_report(df, csv_path.with_name(csv_path.stem + "-plots"), summary_text=outcome.text,
-                                         warnings=outcome.warnings)
-            if made:
-                click.echo(f"report: {made[-1]}")
     except Exception as exc:  # a convenience after the fact: never lose the run over it
         _err(f"warning: comparison/plots not written: {exc}")
+        return
+    made: list[Path] = []
+    if plots:
+        try:
+            from . import plots as plotting
+
+            made = plotting.write_report(df, csv_path.with_name(csv_path.stem + "-plots"),
+                                         summary_text=outcome.text, warnings=outcome.warnings)
+        except Exception as exc:
+            _err(f"warning: plots not written: {exc}")
+    if verdict:
+        click.echo("\n" + outcome.body.rstrip("\n"))
+    for warning in outcome.warnings:
+        _err(f"warning: {warning}")
+    if verdict:
+        click.echo(outcome.verdict)
+    if made:
+        click.echo(f"report: {made[-1]}")
 
 
 @main.command(name="list")

@@ -58,6 +58,10 @@ class CompareOutcome:
     #: The rows compared (for ``plots.write_report``) and the terminal table of them.
     frame: Optional[pd.DataFrame] = None
     table_text: str = ""
+    #: The terminal table without its verdict lines, and those lines (``run`` prints its
+    #: warnings between the two, so that its last word is the verdict).
+    body: str = ""
+    verdict: str = ""
 
 
 def _expand(paths: list[str]) -> list[str]:
@@ -275,9 +279,12 @@ def environment_warnings(df: pd.DataFrame) -> list[str]:
                        f"({col} differs): {_values_by_source(sub, col)}")
     known = env[env["host"] != ""]
     hosts = known.groupby(GROUP_KEYS, sort=True)["host"].nunique()
+    named = experiments.labels(GroupKey.of(k) for k in env[GROUP_KEYS].drop_duplicates().itertuples(index=False))
     for key in hosts.index[hosts > 1]:
         sub = known[(known[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
-        out.append(f"{GroupKey.of(key)}: its repeats ran on different hosts, so its timings mix machines: "
+        group = GroupKey.of(key)
+        out.append(f"{group.experiment}/{group.device}/{named[group]}: its repeats ran on different hosts, "
+                   "so its timings mix machines: "
                    + _values_by_source(sub, "host"))
     defs = env[["workload", "experiment", "source"]].drop_duplicates()
     for workload, sub in defs.groupby("workload", sort=True):
@@ -375,11 +382,20 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
             raise ResultsError(f"unknown candidate backend {name!r}; backends in these results: "
                                + ", ".join(sorted({k.label() for k in keys})))
     groups, warnings = rank(reduced, baseline, metric)
-    warnings = (notes + warnings + stability_warnings(groups, metric) + environment_warnings(df)
-                + _status_warnings(groups))
+    warnings = report_warnings(groups, df, warnings, notes, metric)
     found, code = (regressions(groups, candidate, fail_on_regression, metric) if fail_on_regression is not None
                    else ([], 0))
     return groups, warnings + found, code
+
+
+def report_warnings(groups: pd.DataFrame, df: pd.DataFrame, ranking: list[str], notes: list[str],
+                    metric: str = "epoch-time") -> list[str]:
+    """Every warning of one comparison, in the order they are shown: ``notes`` (skipped files),
+    the baseline's (``ranking``, from :func:`rank`), stability, environments, failed groups with
+    their run rows' reasons. The one list that ``compare`` prints, that ``run`` ends with and that
+    the report (index.html) holds."""
+    return (list(notes) + list(ranking) + stability_warnings(groups, metric) + environment_warnings(df)
+            + _status_warnings(groups))
 
 
 def _check_format(fmt: str) -> None:
@@ -397,7 +413,9 @@ def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate
                                       metric)
     text = tables.render(groups, fmt, warnings, metric)
     return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df,
-                          table_text=text if fmt == "table" else tables.render(groups, "table", warnings, metric))
+                          table_text=text if fmt == "table" else tables.render(groups, "table", warnings, metric),
+                          body=tables.render(groups, "table", warnings, metric, verdicts=False),
+                          verdict=tables.verdict_lines(groups, metric))
 
 
 def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tuple[str, ...] = (),

@@ -86,10 +86,18 @@ def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
     """A copy shaped for comparing backends: ``experiment`` names one definition (rows are pooled
     and compared only within one); ``precision`` is ``fp32`` where older files left it empty;
     ``device`` is what the user asked for (``--device cpu``) where recorded, since backends name
-    one device differently (torch ``cpu``, TensorFlow ``cpu:0``, PlaidML ``llvm_cpu.0``)."""
+    one device differently (torch ``cpu``, TensorFlow ``cpu:0``, PlaidML ``llvm_cpu.0``); ``mode``
+    is the backend's default mode where a file left it empty, so that ``--baseline torch:eager``
+    names it and every output carries a mode."""
+    from . import backends as registry
+
     out = df.copy()
     out["experiment"] = experiments(out)
     out["precision"] = out["precision"].astype(str).replace("", "fp32")
+    mode = out["mode"].astype(str)
+    if (mode == "").any():
+        defaults = {name: spec.default_mode for name, spec in registry.BACKENDS.items()}
+        out["mode"] = mode.where(mode != "", out["backend"].map(defaults).fillna(""))
     asked = out["requested_device"].astype(str)
     out["device"] = asked.where(asked != "", out["device"])
     return out

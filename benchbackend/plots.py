@@ -344,7 +344,7 @@ def inference_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str,
     fig, (ax,) = _figure(width, 4.4)
     steady = summaries.steady_inference(df)
     by_group = {k: g["seconds"].dropna().to_numpy() for k, g in steady.groupby(GROUP_KEYS, sort=True)}
-    firsts = df[(df["phase"] == "inference") & (df["epoch"] == 1)].groupby(GROUP_KEYS)["seconds"].median()
+    firsts = df[(df["phase"] == "inference") & (df["pass"] == 1)].groupby(GROUP_KEYS)["seconds"].median()
     data = [by_group.get(k, np.array([])) for k in keys]
     st = [statuses[k] for k in keys]
     box = ax.boxplot(data, positions=np.arange(len(keys)), widths=0.55, patch_artist=True,

@@ -178,7 +178,7 @@ def summary_line(result: Any) -> str:
     cell = result.cell
     steady = result.epoch_seconds[1:]  # the first epoch holds tracing and compilation: never steady
     epoch = (f"epoch {statistics.median(steady):.3f}s" if steady else
-             "epoch n/a (one epoch: no steady state)" if result.epoch_seconds else "epoch n/a")
+             "epoch n/a (only one epoch, so no steady epoch time)" if result.epoch_seconds else "epoch n/a")
     acc = f"val_acc {result.val_accuracy:.3f}" if result.val_accuracy is not None else "val_acc n/a"
     passes = result.inference_seconds[1:] or result.inference_seconds
     inf = f"infer {statistics.median(passes):.3f}s" if passes else "infer n/a"

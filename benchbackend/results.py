@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from .errors import ResultsError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Fixed columns, in this order; see README "CSV columns".
 BASE_COLUMNS = [
@@ -38,7 +38,13 @@ EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "f
                  # facts about a row that are not a failure's reason (build details, trajectory)
                  "cell_order", "notes",
                  # what defines the experiment, as fields (``definition`` says it readably)
-                 "limit", "epochs", "batch_size", "inference_batch_size", "seed"]
+                 "limit", "epochs", "batch_size", "inference_batch_size", "seed",
+                 # schema 4: an inference row's pass (1 = the first, warm-up pass); ``epoch`` is now
+                 # only a train_epoch row's epoch (empty on every other row: build, tune, parity,
+                 # the trajectory row, whose steps are in ``steps`` and first diverging step in
+                 # ``parity_step``, and the run row); ``device`` in its canonical form
+                 # (``canonical_device``); ``notes`` never in ``message``
+                 "pass"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
@@ -50,7 +56,7 @@ PENDING = "pending"
 NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy", "val_loss",
            "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
            "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s",
-           "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed"]
+           "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed", "pass"]
 #: The definition's fields as columns (schema 3), and the key of each in the ``definition`` text
 #: that older files carry (read once, when such a file is read: see ``_migrate``).
 DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch",
@@ -59,6 +65,25 @@ DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch
 CELL_KEY = ("run_id", "cell_order")
 #: What a cell's ``run`` row says for every row of the cell.
 CELL_LEVEL = ("status", "time_to_accuracy_s")
+
+
+def canonical_device(name: Any) -> str:
+    """One name for one device, whichever backend ran on it.
+
+    Frameworks name one device differently: the host CPU is ``cpu`` to torch and JAX, ``cpu:0`` to
+    TensorFlow (``/CPU:0``), ``llvm_cpu.0`` to PlaidML; the first CUDA GPU is ``cuda:0`` to torch,
+    JAX, ONNX Runtime and CuPy, ``gpu:0`` to TensorFlow. The canonical forms are ``cpu`` (one per
+    host: an index names nothing more, and threads are their own column) and ``gpu:N`` (the form
+    ``--device`` takes for every GPU-capable backend; which GPU model it is, is the ``gpu``
+    column). Any other device (``tpu:0``, a PlaidML OpenCL id) keeps its own name, lowercased.
+    """
+    text = str(name or "").strip().strip("/").lower()
+    kind, sep, index = text.replace(".", ":").partition(":")
+    if kind in ("cpu", "llvm_cpu") and (not sep or index.isdigit()):
+        return "cpu"
+    if kind in ("gpu", "cuda") and (not sep or index.isdigit()):
+        return f"gpu:{index or 0}"
+    return text
 
 
 def worst_status(statuses: Iterable[str]) -> str:
@@ -118,6 +143,7 @@ class CsvWriter:
         full = {c: row.get(c) for c in COLUMNS}
         full["schema_version"] = SCHEMA_VERSION
         full["status"] = full["status"] or PENDING
+        full["device"] = canonical_device(full["device"]) if full["device"] else full["device"]
         new = self.rows == 0
         with open(self.path, "w" if new else "a", newline="") as fh:
             out = csv.writer(fh)
@@ -244,8 +270,28 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Files before schema 3 name the definition only in its text (``train=1024 ... batch=32``):
-    fill the definition columns from it, the one place that text is ever read back."""
+    """Rows of older schemas, as schema 4 says them (see ``EXTRA_COLUMNS``):
+
+    - before 4, ``epoch`` also held an inference row's pass, 0 on build, tune, parity and run
+      rows, and the trajectory row's step count (also in ``steps``): the pass moves to ``pass``,
+      the others are emptied; ``device`` was each framework's own name (``canonical_device``);
+    - before 3, ``message`` also held facts that are no failure's reason (a build row's
+      ``cpu_capability AVX512``, a trajectory's "5 steps agree"): on every row but a ``run``
+      row it moves to ``notes``, so that a failed cell's reason is only ever its run row's;
+    - before 3, the definition is named only in its text (``train=1024 ... batch=32``): the
+      definition columns are filled from it, the one place that text is ever read back.
+    """
+    version = df["schema_version"].astype(int)
+    old = version < 4
+    if old.any():
+        inference = old & (df["phase"] == "inference")
+        df.loc[inference & (df["pass"] == ""), "pass"] = df.loc[inference & (df["pass"] == ""), "epoch"]
+        df.loc[old & (df["phase"] != "train_epoch"), "epoch"] = ""
+        df.loc[old, "device"] = df.loc[old, "device"].map(lambda d: canonical_device(d) if d else d)
+    noted = (version < 3) & (df["phase"] != "run") & (df["message"] != "")
+    if noted.any():
+        df.loc[noted & (df["notes"] == ""), "notes"] = df.loc[noted & (df["notes"] == ""), "message"]
+        df.loc[noted, "message"] = ""
     missing = [c for c in DEFINITION_COLUMNS if not df[c].astype(bool).any()]
     if not missing or not df["definition"].astype(bool).any():
         return

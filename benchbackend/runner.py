@@ -243,7 +243,7 @@ class Runner:
             values["time_to_accuracy_s"] = reached = checks.time_to_accuracy(state.rows, target)
             self.display.note(f"{progress.tag(result.cell)} time to accuracy {target:g}: "
                               + (f"{reached:.2f}s of training" if reached != float("inf") else "not reached"))
-        self.writer.end_cell({**state.base, **values, "epoch": 0, "message": result.message,
+        self.writer.end_cell({**state.base, **values, "message": result.message,
                               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, result.status)
         del self.open[result.cell.order]
         self.results.append(result)

@@ -114,12 +114,12 @@ def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
     first = train[train["epoch"] == 1].groupby(keys, sort=False, dropna=False).agg(
         first_s=("seconds", "median"), **{f"first_{c}": spec for c, spec in rates.items()})
     last = train.sort_values("epoch", kind="stable").groupby(keys, sort=False, dropna=False)["val_accuracy"].last()
-    inf = df.loc[phase == "inference", keys + ["epoch", "seconds"]]
+    inf = df.loc[phase == "inference", keys + ["pass", "seconds"]]
     passes = steady_inference(df)
     passes = passes.assign(sps=passes["samples"] / passes["seconds"])
     infer = passes.groupby(keys, sort=False, dropna=False)[["seconds", "sps", *_RATE_COLUMNS]].median()
     infer.columns = ["infer_s", "infer_sps"] + [f"infer_{c}" for c in _RATE_COLUMNS]
-    infer_first = inf[inf["epoch"] == 1].groupby(keys, sort=False, dropna=False)["seconds"].median()
+    infer_first = inf[inf["pass"] == 1].groupby(keys, sort=False, dropna=False)["seconds"].median()
     # A cell-level value on every row of the repeat: the largest is the one (inf: not reached).
     tta = df.groupby(keys, sort=False, dropna=False)["time_to_accuracy_s"].max().rename("tta_s")
     status = repeat_status(df)
@@ -136,8 +136,8 @@ def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
 def steady_inference(df: pd.DataFrame) -> pd.DataFrame:
     """Inference rows without each repeat's first pass, unless that pass is the repeat's only one."""
     inf = df[df["phase"] == "inference"]
-    passes = inf.groupby(GROUP_KEYS + REPEAT_KEYS, sort=False, dropna=False)["epoch"].transform("count")
-    return inf[(inf["epoch"] >= 2) | (passes == 1)]
+    passes = inf.groupby(GROUP_KEYS + REPEAT_KEYS, sort=False, dropna=False)["pass"].transform("count")
+    return inf[(inf["pass"] >= 2) | (passes == 1)]
 
 
 def _spread(values: pd.Series, keys: list[str], centre: pd.Series) -> pd.Series:
@@ -167,11 +167,11 @@ def _group_info(df: pd.DataFrame, reps: pd.DataFrame) -> pd.DataFrame:
         "failed": by_rep["status"].agg(_failed_text),
     })
     info.index.names = GROUP_KEYS
-    # A failed cell's reason is its `run` row's message; older files also put build details in
-    # `message` (now `notes`), so run rows come first.
-    noted = df.loc[df["message"] != "", GROUP_KEYS + ["status", "message", "phase"]]
+    # A failed cell's reason is its `run` row's message, never another row's (a build row's
+    # notes are facts, not reasons; ``results.read`` moves older files' notes out of `message`).
+    noted = df.loc[(df["message"] != "") & (df["phase"] == "run"), GROUP_KEYS + ["status", "message"]]
     noted = noted.join(info["status"].rename("worst"), on=GROUP_KEYS)
-    noted = noted[noted["status"] == noted["worst"]].sort_values("phase", key=lambda p: p != "run", kind="stable")
+    noted = noted[noted["status"] == noted["worst"]]
     info["message"] = noted.groupby(GROUP_KEYS, sort=False, dropna=False)["message"].first().reindex(
         info.index).fillna("")
     # What the experiment is, from the distinct values only (a few rows, not one per epoch).

@@ -252,7 +252,7 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _text(groups: pd.DataFrame, table: Callable[[list[str], list[list[str]]], str], markdown: bool,
-          metric: str = "epoch-time") -> str:
+          metric: str = "epoch-time", verdicts: bool = True) -> str:
     blocks = [convention(metric=metric)]
     for title, what, frame in _contexts(groups):
         parts = [f"### {title}" if markdown else f"== {title} =="]
@@ -265,9 +265,17 @@ def _text(groups: pd.DataFrame, table: Callable[[list[str], list[list[str]]], st
             parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains, metric))]
         if timed_infer or not len(trains):
             parts += ["**Inference**" if markdown else "Inference", table(*_infer_rows(frame))]
-        parts.append(_fastest_line(frame, metric))
+        if verdicts:
+            parts.append(_fastest_line(frame, metric))
         blocks.append(("\n\n" if markdown else "\n").join(parts))
     return "\n\n".join(blocks) + "\n"
+
+
+def verdict_lines(groups: pd.DataFrame, metric: str = "epoch-time") -> str:
+    """Each comparison's verdict (its fastest correct backend, and any quicker one that failed
+    its checks), named by the comparison: what ``run`` ends with, after the warnings."""
+    return "\n".join(f"{context_name(ctx)}: {_fastest_line(frame, metric)}"
+                     for ctx, frame in groups.groupby(CONTEXT_KEYS, sort=False))
 
 
 def records(groups: pd.DataFrame) -> list[dict[str, Any]]:
@@ -280,11 +288,13 @@ def records(groups: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
-def render(groups: pd.DataFrame, fmt: str, warnings: list[str], metric: str = "epoch-time") -> str:
+def render(groups: pd.DataFrame, fmt: str, warnings: list[str], metric: str = "epoch-time",
+           verdicts: bool = True) -> str:
     """Render ``groups`` (from ``compare.rank``) as table, markdown, csv or json; json holds the
-    metric and the warnings too, the other formats leave the warnings to the caller."""
+    metric and the warnings too, the other formats leave the warnings to the caller. A table
+    without ``verdicts`` leaves out each section's "fastest correct" line (``verdict_lines``)."""
     if fmt == "table":
-        return _text(groups, _aligned, markdown=False, metric=metric)
+        return _text(groups, _aligned, markdown=False, metric=metric, verdicts=verdicts)
     if fmt == "markdown":
         return _text(groups, _markdown, markdown=True, metric=metric)
     if fmt == "csv":

@@ -107,15 +107,14 @@ def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, A
     x = pool[idx]
     ref = reference.forward(workload, weights, x.astype(np.float64), dtype=np.float64)
     max_abs, max_rel = parity_errors(cell.forward(x), ref)
-    cell.emit({**base, "phase": "parity", "epoch": 0, "samples": len(x), "parity_max_abs": max_abs,
-               "parity_max_rel": max_rel})
+    cell.emit({**base, "phase": "parity", "samples": len(x), "parity_max_abs": max_abs, "parity_max_rel": max_rel})
     if trains and any(layer.type == "batchnorm" for layer in workload.model):
         # Batchnorm computes differently in a training step (batch statistics): check that mode too.
         ref = reference.forward(workload, weights, x.astype(np.float64), dtype=np.float64, training=True)
         b = cell.backend
         out = b.to_host(b.train_scores(b.to_device(np.ascontiguousarray(x, np.float32))))
         max_abs, max_rel = parity_errors(np.asarray(out, np.float64), ref)
-        cell.emit({**base, "phase": "parity", "epoch": 0, "samples": len(x), "parity_max_abs": max_abs,
+        cell.emit({**base, "phase": "parity", "samples": len(x), "parity_max_abs": max_abs,
                    "parity_max_rel": max_rel, "notes": "training mode (batch statistics)"})
     if steps <= 0:
         return
@@ -126,7 +125,7 @@ def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, A
     ref_losses = truth.trajectory(workload, weights, batch_list)
     losses = [float(v) for v in cell.backend.train_steps(batch_list)]
     # Raw values only: checks.trajectory decides, with the workload's tolerance.
-    cell.emit({**base, "phase": "parity", "epoch": len(losses), "steps": len(losses), "losses": losses,
+    cell.emit({**base, "phase": "parity", "steps": len(losses), "losses": losses,
                "reference_losses": [float(v) for v in ref_losses]})
 
 
@@ -134,7 +133,7 @@ def run_job(job: Job, emit: Emit) -> None:
     """Run one cell and stream its messages through ``emit`` (also usable in-process by tests)."""
     from .errors import BackendUnavailable
     from .model import initial_weights, param_count
-    from .results import environment
+    from .results import canonical_device, environment
     from .timing import peak_rss_mb
 
     workload = job.workload
@@ -148,7 +147,8 @@ def run_job(job: Job, emit: Emit) -> None:
     weights = initial_weights(workload, job.repeat)
     cell = Cell(backend, workload, arrays, emit)
     base: dict[str, Any] = {"type": "row"}
-    emit({"type": "info", **environment(), "backend_version": backend.version(), "device": backend.device_id(),
+    emit({"type": "info", **environment(), "backend_version": backend.version(),
+          "device": canonical_device(backend.device_id()),
           "mode": backend.mode, "precision": backend.precision, "gpu": backend.gpu_name(),
           "python": platform.python_version(), "threads": _threads(backend, job)})
     try:
@@ -161,14 +161,14 @@ def run_job(job: Job, emit: Emit) -> None:
         raise RuntimeError(f"{job.backend} built {params} parameters; the spec has {expected}")
     if job.trains:
         backend.set_data(arrays["x_train"], arrays["y_train"])
-    emit({**base, "phase": "build", "epoch": 0, "seconds": seconds, "params": params, "peak_rss_mb": peak_rss_mb(),
+    emit({**base, "phase": "build", "seconds": seconds, "params": params, "peak_rss_mb": peak_rss_mb(),
           "notes": "; ".join(f"{k} {v}" for k, v in backend.details().items())})
     peak = _peak(backend, job)
     if peak is not None:
         emit({"type": "peak", **peak})
     summary, seconds = cell.region(backend.tune, host=False)
     if summary is not None:
-        emit({**base, "phase": "tune", "epoch": 0, "seconds": seconds, "notes": summary})
+        emit({**base, "phase": "tune", "seconds": seconds, "notes": summary})
 
     parity_steps = job.parity_steps if job.trains else 0
     _parity(cell, weights, parity_steps, base, job.trains)
@@ -188,7 +188,7 @@ def _infer(cell: Cell, base: dict[str, Any]) -> None:
     labels = cell.arrays["y_test"]
     for i in range(1, cell.workload.inference.repeats + 1):
         scores, seconds = cell.predict()
-        cell.emit({**base, "phase": "inference", "epoch": i, "samples": len(labels), "seconds": seconds,
+        cell.emit({**base, "phase": "inference", "pass": i, "samples": len(labels), "seconds": seconds,
                    "samples_per_s": len(labels) / seconds if seconds > 0 else None,
                    "accuracy": accuracy(np.asarray(scores), labels), "peak_rss_mb": peak_rss_mb()})
 

@@ -59,15 +59,15 @@ def write_cells(writer: results.CsvWriter, backend: str, steady: float, *, repea
             achieved = (3 if phase == "train_epoch" else 1) * flops * rate
             return {"achieved_flops": achieved, "mfu": achieved / peak[0] if peak else None}
 
-        writer.write(dict(base, phase="build", epoch=0, seconds=0.05, params=1000))
-        writer.write(dict(base, phase="parity", epoch=0, seconds=0.01, parity_max_abs=parity,
+        writer.write(dict(base, phase="build", seconds=0.05, params=1000))
+        writer.write(dict(base, phase="parity", seconds=0.01, parity_max_abs=parity,
                           parity_max_rel=parity * 10))
         if rep_status in ("crashed", "timeout", "interrupted", "pending"):
             writer.write(dict(base, phase="train_epoch", epoch=1, samples=samples, seconds=steady / 10,
                               samples_per_s=samples * 10 / steady, loss=2.0, val_loss=2.0, val_accuracy=0.5))
             writer.write(dict(base, phase="train_epoch", epoch=2, samples=samples, seconds=steady / 10,
                               samples_per_s=samples * 10 / steady, loss=2.0, val_loss=2.0, val_accuracy=0.5))
-            writer.write(dict(base, phase="run", epoch=0, message=f"RuntimeError: {rep_status} in repeat {rep}"))
+            writer.write(dict(base, phase="run", message=f"RuntimeError: {rep_status} in repeat {rep}"))
             continue
         rep_steady = steady * (1 + noise * float(rng.standard_normal()))
         rep_infer = infer * (1 + noise * float(rng.standard_normal()))
@@ -81,7 +81,7 @@ def write_cells(writer: results.CsvWriter, backend: str, steady: float, *, repea
             seconds = rep_infer * (1 + 0.005 * float(rng.standard_normal()))
             if n == 1 and first_pass is not None:
                 seconds = first_pass
-            writer.write(dict(base, phase="inference", epoch=n, samples=test_samples, seconds=seconds,
+            writer.write(dict(base, phase="inference", **{"pass": n}, samples=test_samples, seconds=seconds,
                               samples_per_s=test_samples / seconds, **rates("inference", test_samples / seconds)))
 
 
@@ -381,7 +381,7 @@ def test_files_without_measurements_are_an_error(tmp_path: Path) -> None:
 
 
 def test_bad_input_raises(two_x: Path, tmp_path: Path) -> None:
-    with pytest.raises(ResultsError, match="unknown baseline backend 'mxnet'.*tensorflow, torch"):
+    with pytest.raises(ResultsError, match="unknown baseline backend 'mxnet'.*tensorflow:tf.function, torch:eager"):
         compare.run_compare([str(two_x)], baseline="mxnet")
     with pytest.raises(ResultsError, match="unknown candidate backend 'mxnet'"):
         compare.run_compare([str(two_x)], candidate=("mxnet",))
@@ -601,7 +601,7 @@ def test_mfu_is_the_median_over_repeats_of_steady_epochs_and_passes(tmp_path: Pa
     write_cells(results.CsvWriter(path), "numpy", 2.0, repeats=3, flops=2e6, peak=PEAK)
     rows = pd.read_csv(path)
     steady = rows[(rows["phase"] == "train_epoch") & (rows["epoch"] >= 2)].groupby("repeat")["mfu"].median()
-    passes = rows[(rows["phase"] == "inference") & (rows["epoch"] >= 2)].groupby("repeat")["mfu"].median()
+    passes = rows[(rows["phase"] == "inference") & (rows["pass"] >= 2)].groupby("repeat")["mfu"].median()
     groups, out = groups_json([path])
     numpy = groups["numpy"]
     assert numpy["mfu"] == pytest.approx(steady.median()) and numpy["infer_mfu"] == pytest.approx(passes.median())

@@ -35,7 +35,7 @@ def _write(path: Path, epochs: int = 5, repeats: int = 3, backends: Optional[dic
                 w.write(dict(base, phase="train_epoch", epoch=epoch, seconds=seconds, samples=samples,
                              samples_per_s=100 / seconds, loss=loss, val_accuracy=0.5 + 0.08 * epoch))
             for n in range(1, 5):
-                w.write(dict(base, phase="inference", epoch=n, samples=500,
+                w.write(dict(base, phase="inference", **{"pass": n}, samples=500,
                              seconds=steady / 4 * (1 + 0.05 * rng.random())))
     w.write(dict(ENV, run_id="r", workload="mnist", backend="plaidml", device="cpu", repeat=1, phase="run",
                  status="crashed", message="RuntimeError: boom"))
@@ -237,8 +237,8 @@ def _sweep(path: Path, batches: tuple[int, ...] = (16, 32, 64, 128), rates: Opti
                                  achieved_flops=3 * FLOPS * sps, mfu=3 * FLOPS * sps / peak))
                 for n in range(1, 4):
                     sps = 4 * speed * (1 + 0.03 * float(rng.standard_normal()))
-                    w.write(dict(base, phase="inference", epoch=n, samples=256, seconds=256 / sps, samples_per_s=sps,
-                                 achieved_flops=FLOPS * sps, mfu=FLOPS * sps / peak))
+                    w.write(dict(base, phase="inference", **{"pass": n}, samples=256, seconds=256 / sps,
+                                 samples_per_s=sps, achieved_flops=FLOPS * sps, mfu=FLOPS * sps / peak))
     return experiments.for_comparison(results.read(path))
 
 

@@ -86,7 +86,7 @@ class Backend(ABC):
         return ""
 
     def details(self) -> dict[str, Any]:
-        """Extra facts for the ``message`` of the build row (a compile target, the precision
+        """Extra facts for the ``notes`` of the build row (a compile target, the precision
         actually used by a runtime, ...). Values are short strings."""
         return {}
 
