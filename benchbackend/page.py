@@ -20,6 +20,8 @@ _STYLE = ("body{font-family:system-ui,sans-serif;max-width:1250px;margin:2em aut
           "td.num{text-align:right;font-variant-numeric:tabular-nums}.warnings td{color:#8a4b00}"
           "figure{margin:1.5em 0}figcaption{font-size:14px;color:#333;max-width:60em}"
           "img{max-width:100%;border:1px solid #ddd}")
+#: Phases only a running worker writes.
+_WORKER_PHASES = ("build", "tune", "parity", "train_epoch", "inference")
 _ENV_COLUMNS = (("backend_version", "version"), ("host", "host"), ("cpu", "CPU"), ("threads", "threads"),
                 ("gpu", "GPU"), ("python", "python"), ("os", "OS"))
 
@@ -90,9 +92,9 @@ VERDICT_HEAD = ["experiment", "backend", "status", "baseline", "training verdict
 
 
 def environment_rows(df: pd.DataFrame) -> tuple[list[list[str]], list[str]]:
-    """One row per backend label that recorded an environment (its versions, hosts, CPUs, threads:
-    each distinct value), and the labels that recorded none (unavailable, or died at once) with
-    their status, for one line instead of a row of empty cells."""
+    """One row per backend label whose worker ran (its versions, hosts, CPUs, threads: each distinct
+    value), and the labels whose worker never reported (unavailable, or died at once) with their
+    status: one line for them instead of rows of empty cells (their rows hold only the parent's host)."""
     df = with_experiment(df)
     rows, missing = [], []
     for (backend, mode, precision), sub in df.groupby(["backend", "mode", "precision"], sort=True):
@@ -102,7 +104,8 @@ def environment_rows(df: pd.DataFrame) -> tuple[list[list[str]], list[str]]:
             values = sub[col].dropna() if col in sub.columns else pd.Series(dtype=object)
             found = sorted({f"{v:g}" if isinstance(v, float) else str(v) for v in values} - {""})
             cells.append(", ".join(found))
-        if not any(cells):
+        ran = sub["phase"].isin(_WORKER_PHASES).any() or bool(cells[0])  # cells[0]: the backend's version
+        if not ran:
             statuses = sorted({str(s) for s in sub["status"] if str(s) not in ("", "ok")})
             missing.append(name + (f" ({', '.join(statuses)})" if statuses else ""))
             continue
@@ -129,7 +132,7 @@ def render(df: pd.DataFrame, groups: pd.DataFrame, figures: list[tuple[str, str]
     if env:
         parts.append(table(["backend", "device"] + [name for _, name in _ENV_COLUMNS], env))
     if missing:
-        parts.append(f"<p>No environment recorded (not run): {_esc(', '.join(missing))}</p>")
+        parts.append(f"<p>No worker environment (not run): {_esc(', '.join(missing))}</p>")
     if figures:
         parts.append("<h2>Figures</h2>")
     for name, caption in figures:
