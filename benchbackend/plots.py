@@ -124,10 +124,12 @@ def _bars(ax: "Axes", groups: pd.DataFrame, value: str, low: str, high: str, uni
     ax.grid(axis="y", alpha=0.3)
 
 
-def _versus(groups: pd.DataFrame) -> str:
-    """``; under each bar: vs torch`` when the groups have a baseline."""
+def _versus(groups: pd.DataFrame, what: str = "bar") -> str:
+    """``; under each bar: verdict vs torch`` when the groups have a baseline."""
     base = next((b for b in groups.get("baseline", []) if b), "")
-    return f"; under each bar: verdict vs {base}" if base else ""
+    if base:
+        return f"; under each {what}: verdict vs {base}"
+    return "; no baseline (none passed its checks): no verdict" if "baseline" in groups else ""
 
 
 def _width(n: int) -> float:
@@ -253,7 +255,7 @@ def inference_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str,
     per = f"{samples:,.0f} samples" if samples and math.isfinite(samples) else "one"
     ax.set_ylabel(f"seconds per pass ({per}), lower is better")
     ax.set_title(wrap(f"{title}: inference time per pass of {per} (passes after the first; "
-                      f"box: quartiles, dots: passes{_versus(groups)})", width), fontsize=11)
+                      f"box: quartiles, dots: passes{_versus(groups, 'box')})", width), fontsize=11)
     ax.grid(axis="y", alpha=0.3)
     return fig
 

@@ -486,3 +486,10 @@ def test_no_label_is_cut_off(frame: pd.DataFrame, tmp_path: Path) -> None:
     assert any(d.stem.endswith("batch-train") for d in drawn)
     for d in drawn:
         assert _outside(d.figure) == [], d.stem
+
+
+def test_without_a_baseline_the_figure_says_there_is_no_verdict(tmp_path: Path) -> None:
+    df = _write(tmp_path / "bad.csv", backends={"numpy": (2.0, "nan_loss"), "torch": (1.0, "chance_accuracy")})
+    ax = _figures(df)["mnist-cpu-epoch-time"].axes[0]
+    assert "no baseline" in ax.get_title().replace("\n", " ")
+    assert not any(ln.get_gid() == plots.BASELINE_GID for ln in ax.lines)
