@@ -35,6 +35,8 @@ class Drawn:
 
 _VERDICT_RULE = ("speed-up = {base}'s time / this time (above 1: faster), with its 95% CI (Welch's t on the log "
                  "per-repeat times); 'faster' or 'slower' only where the CI leaves 1 out, else 'not significant'")
+_WHISKERS = ("a distribution-free 95% CI of that median from 6 timed repeats, else the min-max of the "
+             "per-repeat values.")
 _FAILED = "Hatched grey bars and red labels: groups that failed a check or did not finish; they are not ranked."
 
 
@@ -70,7 +72,7 @@ def _context_figures(df: pd.DataFrame, timed: pd.DataFrame, ctx: tuple, frame: p
         out.append(Drawn(f"{stem}-epoch-time", plots.epoch_time_figure(trains, where),
                          f"Steady epoch time on {where}: per group, the median over its ok repeats of each repeat's "
                          f"median epoch after the first (the first epoch holds tracing and compilation); whiskers: "
-                         f"the interval of that median. {verdicts} {_FAILED}"))
+                         f"{_WHISKERS} {verdicts} {_FAILED}"))
         if trains["samples_per_s"].notna().any():
             out.append(Drawn(f"{stem}-throughput", plots.throughput_figure(trains, where),
                              f"Training throughput on {where}: samples per second of the steady epochs (median over "
