@@ -224,7 +224,7 @@ def inference_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str,
     fig, (ax,) = figure(width, 4.8)
     steady = summaries.steady_inference(df)
     by_group = {k: g["seconds"].dropna().to_numpy() for k, g in steady.groupby(GROUP_KEYS, sort=True)}
-    firsts = df[(df["phase"] == "inference") & (df["epoch"] == 1)].groupby(GROUP_KEYS)["seconds"].median()
+    firsts = groups["infer_first_s"]  # summary's: which row is the first pass is its to know
     data = [by_group.get(k, np.array([])) for k in keys]
     st = list(groups["status"])
     box = ax.boxplot(data, positions=np.arange(len(keys)), widths=0.55, patch_artist=True,
