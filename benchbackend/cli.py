@@ -294,7 +294,7 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
             from . import plots as plotting
 
             made = plotting.write_report(outcome.frame, Path(plots), summary_text=outcome.table_text,
-                                         warnings=outcome.warnings)
+                                         warnings=outcome.warnings, baseline=baseline, metric=metric)
             _err(f"report: {made[-1]}")
     except ResultsError as exc:
         raise UsageFailure(str(exc)) from None
@@ -343,3 +343,23 @@ def entry() -> None:
     except BenchError as exc:
         _err(f"Error: {exc}")
         sys.exit(2)
+
+
+@main.command()
+@click.option("--update", "readme", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE",
+              help="Rewrite the reference between FILE's marker comments (README.md) instead of printing it.")
+def schema(readme: Optional[Path]) -> None:
+    """Print the workload YAML reference as Markdown: every field with its type, default, allowed
+    values and meaning, generated from the validation models (README.md holds this text)."""
+    from . import schema as reference
+
+    if readme is None:
+        click.echo(reference.markdown(), nl=False)
+        return
+    try:
+        readme.write_text(reference.replace_block(readme.read_text(encoding="utf-8")), encoding="utf-8")
+    except ValueError as exc:
+        raise UsageFailure(f"{readme}: {exc}") from None
+    except OSError as exc:
+        raise UsageFailure(f"{readme}: cannot write: {exc.strerror}") from None
+    _err(f"updated the workload reference in {readme}")

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from benchbackend import experiments, plots, results, summary
+from benchbackend import compare, experiments, plots, report, results, summary
 from benchbackend.errors import ResultsError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,19 +47,24 @@ def frame(tmp_path: Path) -> pd.DataFrame:
     return _write(tmp_path / "r.csv")
 
 
-def _context(df: pd.DataFrame) -> pd.DataFrame:
-    return summary.summarize(df).groups
+def _context(df: pd.DataFrame, baseline: Optional[str] = None) -> pd.DataFrame:
+    """The groups as the figures get them: compare's ranking (verdicts against the baseline)."""
+    return compare.rank(summary.summarize(df), baseline)[0].sort_index()
+
+
+def _figures(df: pd.DataFrame, baseline: Optional[str] = None) -> dict[str, Any]:
+    return {d.stem: d.figure for d in report.figures(df, baseline)}
 
 
 def test_figures_per_experiment_and_device(frame: pd.DataFrame) -> None:
-    stems = [stem for stem, _ in plots.figures(frame)]
+    stems = list(_figures(frame))
     assert stems == ["mnist-cpu-epoch-time", "mnist-cpu-throughput", "mnist-cpu-curves", "mnist-cpu-inference"]
 
 
 def test_definitions_get_figures_of_their_own(tmp_path: Path) -> None:
     a = _write(tmp_path / "a.csv", workload_hash="h1", samples=1024)
     b = _write(tmp_path / "b.csv", workload_hash="h2", samples=2000)
-    stems = [stem for stem, _ in plots.figures(pd.concat([a, b], ignore_index=True))]
+    stems = list(_figures(pd.concat([a, b], ignore_index=True)))
     assert "mnist-limit-1024-cpu-epoch-time" in stems and "mnist-limit-2000-cpu-epoch-time" in stems
 
 
@@ -81,7 +86,8 @@ def test_epoch_time_bars_with_intervals_and_failed_marked(frame: pd.DataFrame) -
     assert bars.errorbar is not None and bars.errorbar.lines[1]  # caps of the intervals
     assert [b.get_hatch() for b in bars] == ["//", None, "//", None]
     ticks = [t.get_text() for t in ax.get_xticklabels()]
-    assert ticks == ["jax\n[nan_loss]", "numpy", "plaidml\n[crashed]", "torch"]
+    assert ticks[0] == "jax\n[nan_loss]" and ticks[2] == "plaidml\n[crashed]"  # not ranked: the status says why
+    assert ticks[1].startswith("numpy\nslower\n") and ticks[3] == "torch\nbaseline"
     assert ax.get_xticklabels()[0].get_color() == plots.FAILED_COLOR
     assert "(s)" in ax.get_ylabel()
     assert any("no time" in t.get_text() for t in ax.texts)
@@ -155,21 +161,22 @@ def test_inference_boxes_per_backend(frame: pd.DataFrame) -> None:
     assert boxes[0].get_hatch() == "//" and boxes[1].get_hatch() is None
     assert len(ax.collections) == 3  # one strip of passes per backend with timings
     assert "(s)" not in ax.get_ylabel() and "500 samples" in ax.get_ylabel() and "500 samples" in ax.get_title()
-    firsts = [t.get_text() for t in ax.texts if t.get_text().startswith("1st pass")]
-    assert len(firsts) == 3
+    # The first pass sits under its own box, in its tick label, not somewhere above the boxes.
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert [("1st pass" in t) for t in ticks] == [True, True, False, True]  # plaidml crashed: no pass
+    assert not any("1st pass" in t.get_text() for t in ax.texts)
     # The strip holds the passes after the first: 3 of 4 per repeat, 3 repeats.
     assert all(len(c.get_offsets()) == 9 for c in ax.collections)
 
 
 def test_write_report_writes_pngs_and_index(frame: pd.DataFrame, tmp_path: Path) -> None:
-    written = plots.write_report(frame, tmp_path / "out", summary_text="table <here>",
-                                 warnings=["workload 'mnist' has 2 definitions"])
+    written = plots.write_report(frame, tmp_path / "out", warnings=["workload 'mnist' has 2 definitions"])
     pngs = [p for p in written if p.suffix == ".png"]
     assert len(pngs) == 4 and written[-1].name == "index.html"
     for png in pngs:
         assert png.stat().st_size > 5000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = written[-1].read_text()
-    assert all(f'src="{p.name}"' in page for p in pngs) and "table &lt;here&gt;" in page
+    assert all(f'src="{p.name}"' in page for p in pngs)
     assert "<h2>Warnings</h2>" in page and "workload &#x27;mnist&#x27; has 2 definitions" in page
     env = page.split("<h2>Environment</h2>")[1]
     for needed in ("<th>version</th>", "<th>host</th>", "<th>CPU</th>", "<th>threads</th>",
@@ -251,7 +258,7 @@ def _curves(ax: Any) -> dict[str, Any]:
 
 def test_batch_sweep_draws_throughput_against_batch_size(tmp_path: Path) -> None:
     df = _sweep(tmp_path / "s.csv")
-    figs = dict(plots.figures(df))
+    figs = _figures(df)
     assert {"mnist-cpu-batch-train", "mnist-cpu-batch-inference"} <= set(figs)
     groups = summary.summarize(df).groups
     ax = figs["mnist-cpu-batch-train"].axes[0]
@@ -277,7 +284,7 @@ def test_batch_sweep_draws_throughput_against_batch_size(tmp_path: Path) -> None
 def test_one_peak_gives_an_mfu_axis_that_reads_the_mfu(tmp_path: Path) -> None:
     df = _sweep(tmp_path / "s.csv")
     groups = summary.summarize(df).groups
-    figs = dict(plots.figures(df))
+    figs = _figures(df)
     ax = figs["mnist-cpu-batch-train"].axes[0]
     (mfu_axis,) = ax.child_axes
     assert "MFU (%)" in mfu_axis.get_ylabel() and "0.4 TFLOP/s fp32 (--peak-tflops)" in mfu_axis.get_ylabel()
@@ -292,7 +299,7 @@ def test_different_peaks_label_each_point_with_its_mfu(tmp_path: Path) -> None:
     df = _sweep(tmp_path / "s.csv", peaks={"torch": 0.8e12})
     groups = summary.summarize(df).groups
     assert plots.mfu_scale(groups, "samples_per_s", "mfu") is None
-    ax = dict(plots.figures(df))["mnist-cpu-batch-train"].axes[0]
+    ax = _figures(df)["mnist-cpu-batch-train"].axes[0]
     assert not ax.child_axes
     labels = sorted(t.get_text() for t in ax.texts if t.get_text().endswith("%"))
     expected = sorted(f"{m * 100:#.3g}%" for m in groups["mfu"])
@@ -302,7 +309,7 @@ def test_different_peaks_label_each_point_with_its_mfu(tmp_path: Path) -> None:
 
 def test_a_failed_batch_size_is_marked_off_the_line(tmp_path: Path) -> None:
     df = _sweep(tmp_path / "s.csv", failed={("torch", 64): "nan_loss"})
-    ax = dict(plots.figures(df))["mnist-cpu-batch-train"].axes[0]
+    ax = _figures(df)["mnist-cpu-batch-train"].axes[0]
     torch_line = _curves(ax)["torch"]
     ys = np.asarray(torch_line.get_ydata(), dtype=float)
     assert list(torch_line.get_xdata()) == [16, 32, 64, 128]
@@ -315,11 +322,11 @@ def test_a_failed_batch_size_is_marked_off_the_line(tmp_path: Path) -> None:
 
 def test_no_sweep_no_batch_figure_and_sweeps_of_other_definitions_apart(tmp_path: Path) -> None:
     single = _sweep(tmp_path / "one.csv", batches=(32,))
-    assert not any("batch" in stem for stem, _ in plots.figures(single))
+    assert not any("batch" in stem for stem in _figures(single))
     a = _sweep(tmp_path / "a.csv", batches=(32, 64), limit=512)
     b = _sweep(tmp_path / "b.csv", batches=(32, 64), limit=1024)
     both = experiments.for_comparison(pd.concat([a, b], ignore_index=True).drop(columns="experiment"))
-    figs = dict(plots.figures(both))
+    figs = _figures(both)
     sweeps = sorted(stem for stem in figs if stem.startswith("mnist-cpu-batch"))
     assert sweeps == ["mnist-cpu-batch-1-inference", "mnist-cpu-batch-1-train",
                       "mnist-cpu-batch-2-inference", "mnist-cpu-batch-2-train"]
@@ -335,3 +342,154 @@ def test_throughput_bars_carry_their_mfu(tmp_path: Path) -> None:
     for mfu in groups["mfu"]:
         assert any(t.endswith(f"MFU {mfu * 100:#.3g}%") for t in texts), texts
     assert len(ax.child_axes) == 1 and "MFU (%)" in ax.child_axes[0].get_ylabel()
+
+
+# --- the verdict on the figures, colours by group, nothing cut off (issue 24) -----------------------
+
+def _ticks(ax: Any) -> list[str]:
+    return [t.get_text() for t in ax.get_xticklabels()]
+
+
+def _face(ax: Any, label: str) -> Any:
+    """The face colour of the bar whose tick label starts with ``label``."""
+    from matplotlib.colors import to_hex
+
+    bars = _bars(ax)
+    return next(to_hex(b.get_facecolor()) for b, t in zip(bars, _ticks(ax)) if t.split("\n")[0] == label)
+
+
+def test_a_backend_has_one_colour_in_every_report(tmp_path: Path) -> None:
+    """The colour follows the group (backend, mode, precision), not its position among the bars nor
+    its printed label: torch eager is "torch" alone and "torch:eager" beside torch:compile."""
+    a = _write(tmp_path / "a.csv", backends={"numpy": (2.0, "ok"), "torch": (1.0, "ok")})
+    path = tmp_path / "b.csv"
+    w = results.CsvWriter(path)
+    for backend, mode, steady in (("jax", "jit", 0.4), ("tensorflow", "xla", 0.6), ("torch", "eager", 1.0),
+                                  ("torch", "compile", 0.8)):
+        for rep in (1, 2, 3):
+            base = dict(ENV, run_id="r", workload="mnist", workload_hash="h", backend=backend, mode=mode,
+                        device="cpu", repeat=rep, status="ok", threads=8, data_source="synthetic")
+            for epoch in (1, 2, 3):
+                w.write(dict(base, phase="train_epoch", epoch=epoch, seconds=steady * (1 + 0.01 * rep), samples=100,
+                             samples_per_s=100 / steady, loss=1.0 / epoch, val_accuracy=0.9))
+    b = results.read(path)
+    fig_a = _figures(a)["mnist-cpu-epoch-time"].axes[0]
+    fig_b = _figures(b)["mnist-cpu-epoch-time"].axes[0]
+    assert "torch" in [t.split("\n")[0] for t in _ticks(fig_a)]
+    assert "torch:eager" in [t.split("\n")[0] for t in _ticks(fig_b)]
+    assert _face(fig_a, "torch") == _face(fig_b, "torch:eager")
+    faces_b = [_face(fig_b, name) for name in ("jax", "tensorflow", "torch:eager", "torch:compile")]
+    assert len(set(faces_b)) == 4
+
+
+def test_every_registered_backend_mode_and_precision_has_its_own_colour() -> None:
+    from benchbackend import backends as registry
+    from benchbackend.style import FAILED_COLOR, FAILED_FACE, color_of
+
+    combos = [(name, mode, prec) for name, spec in registry.BACKENDS.items()
+              for mode in spec.mode_names for prec in spec.precisions]
+    shades = [color_of(*c) for c in combos]
+    assert len(set(shades)) == len(combos)
+    assert FAILED_COLOR not in shades and FAILED_FACE not in shades
+    defaults = [color_of(name, spec.mode_names[0], "fp32") for name, spec in registry.BACKENDS.items()]
+    assert len(set(defaults)) == len(defaults)
+    assert color_of("torch", "", "") == color_of("torch", "eager", "fp32")  # unrecorded mode: the default
+
+
+def _verdict_of(groups: pd.DataFrame, label: str, prefix: str) -> str:
+    row = groups[groups["label"] == label].iloc[0]
+    return str(row[f"{prefix}_text"])
+
+
+def test_bar_figures_carry_the_baseline_and_compares_verdicts(frame: pd.DataFrame) -> None:
+    groups = _context(frame)
+    figs = _figures(frame)
+    for stem, prefix, value in (("mnist-cpu-epoch-time", "train", "steady_s"), ("mnist-cpu-throughput", "train", None),
+                                ("mnist-cpu-inference", "infer", "infer_s")):
+        ax = figs[stem].axes[0]
+        ticks = {t.split("\n")[0]: t for t in _ticks(ax)}
+        verdict = _verdict_of(groups, "numpy", prefix)
+        assert verdict.startswith("slower: ")
+        assert verdict.replace(": ", "\n", 1) in ticks["numpy"], (stem, ticks)  # verdict and interval
+        assert ticks["torch"].endswith("\nbaseline")
+        bold = [t.get_fontweight() for t in ax.get_xticklabels() if t.get_text().startswith("torch")]
+        assert bold == ["bold"]
+        lines = [ln for ln in ax.lines if ln.get_gid() == plots.BASELINE_GID]
+        if value is not None:
+            assert len(lines) == 1
+            assert lines[0].get_ydata()[0] == pytest.approx(groups[groups["label"] == "torch"][value].iloc[0])
+        assert "vs torch" in ax.get_title()
+
+
+def test_a_not_significant_difference_says_so_on_the_figure(tmp_path: Path) -> None:
+    """Bars of visibly different height whose verdict is "not significant" say it, with the interval."""
+    path = tmp_path / "noisy.csv"
+    w = results.CsvWriter(path)
+    times = {"torch": [1.0, 2.0, 3.0], "tensorflow": [0.8, 1.5, 2.9]}
+    for backend, per_rep in times.items():
+        for rep, steady in enumerate(per_rep, 1):
+            base = dict(ENV, run_id="r", workload="mnist", workload_hash="h", backend=backend, device="cpu",
+                        repeat=rep, status="ok", threads=8, data_source="synthetic")
+            for epoch in (1, 2, 3):
+                w.write(dict(base, phase="train_epoch", epoch=epoch, seconds=steady, samples=100,
+                             samples_per_s=100 / steady, loss=1.0 / epoch, val_accuracy=0.9))
+    df = results.read(path)
+    groups = _context(df)
+    verdict = _verdict_of(groups, "tensorflow", "train")
+    assert verdict.startswith("not significant: ") and "[" in verdict
+    ax = _figures(df)["mnist-cpu-epoch-time"].axes[0]
+    tick = next(t for t in _ticks(ax) if t.startswith("tensorflow"))
+    assert tick == "tensorflow\n" + verdict.replace(": ", "\n", 1)
+
+
+def test_the_baseline_asked_for_is_the_one_marked(frame: pd.DataFrame) -> None:
+    ax = _figures(frame, baseline="numpy")["mnist-cpu-epoch-time"].axes[0]
+    ticks = {t.split("\n")[0]: t for t in _ticks(ax)}
+    assert ticks["numpy"] == "numpy\nbaseline" and ticks["torch"].startswith("torch\nfaster\n")
+    assert "vs numpy" in ax.get_title()
+    with pytest.raises(ResultsError, match="unknown baseline"):
+        report.figures(frame, baseline="tensorflow")
+
+
+def _outside(fig: Any) -> list[str]:
+    """The texts of a figure that do not lie wholly inside it once drawn (tick labels of ticks out
+    of view are not drawn, so not counted), and the figure's whole drawn extent."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    width, height = fig.bbox.width, fig.bbox.height
+    hidden = set()
+    for ax in fig.axes:
+        for axis, (low, high) in ((ax.xaxis, sorted(ax.get_xlim())), (ax.yaxis, sorted(ax.get_ylim()))):
+            for tick in axis.get_major_ticks():
+                if not low - 1e-9 <= tick.get_loc() <= high + 1e-9:
+                    hidden.update({id(tick.label1), id(tick.label2)})
+    out = []
+    for text in fig.findobj(Text):
+        if id(text) in hidden or not text.get_visible() or not text.get_text().strip():
+            continue
+        box = text.get_window_extent(renderer)
+        if box.x0 < -1 or box.y0 < -1 or box.x1 > width + 1 or box.y1 > height + 1:
+            out.append(repr(text.get_text()))
+    whole = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)  # pixels
+    if whole.x0 < -1 or whole.y0 < -1 or whole.x1 > width + 1 or whole.y1 > height + 1:
+        out.append(f"drawn extent {whole.bounds}")
+    return out
+
+
+def test_no_label_is_cut_off(frame: pd.DataFrame, tmp_path: Path) -> None:
+    """Every text of every figure (titles, axis labels, the MFU axis' label, verdicts under the
+    bars, value labels) lies inside the figure."""
+    sweep = _sweep(tmp_path / "s.csv").assign(peak_source="torch GEMM probe (cached 2026-11-24T21:19:21.123456)")
+    drawn = report.figures(frame) + report.figures(sweep)
+    assert any(d.stem.endswith("batch-train") for d in drawn)
+    for d in drawn:
+        assert _outside(d.figure) == [], d.stem
+
+
+def test_without_a_baseline_the_figure_says_there_is_no_verdict(tmp_path: Path) -> None:
+    df = _write(tmp_path / "bad.csv", backends={"numpy": (2.0, "nan_loss"), "torch": (1.0, "chance_accuracy")})
+    ax = _figures(df)["mnist-cpu-epoch-time"].axes[0]
+    assert "no baseline" in ax.get_title().replace("\n", " ")
+    assert not any(ln.get_gid() == plots.BASELINE_GID for ln in ax.lines)

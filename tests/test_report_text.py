@@ -31,9 +31,10 @@ def _run(monkeypatch, tmp_path: Path, *args: str, plots: bool = True):
 
 
 def _report_warnings(index: Path) -> list[str]:
+    """The report's warnings table (one row per warning: number, text)."""
     text = index.read_text()
-    block = text.split('<ul class="warnings">', 1)[1].split("</ul>", 1)[0] if "warnings" in text else ""
-    return [html.unescape(w) for w in re.findall(r"<li>(.*?)</li>", block, re.S)]
+    block = text.split("<h2>Warnings</h2>", 1)[1].split("</table>", 1)[0] if "<h2>Warnings</h2>" in text else ""
+    return [html.unescape(w) for w in re.findall(r"<tr><td[^>]*>\d+</td><td[^>]*>(.*?)</td></tr>", block, re.S)]
 
 
 def _stderr_warnings(stderr: str) -> list[str]:

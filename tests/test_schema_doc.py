@@ -1,0 +1,100 @@
+"""The README's workload reference is generated from the validation models and cannot drift."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from benchbackend import schema
+from benchbackend.cli import main
+from benchbackend.layers import LAYER_CLASSES
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+
+def test_the_readme_holds_the_generated_reference() -> None:
+    """Fails when a field is added, renamed or given another default without regenerating the
+    README: run `benchbackend schema --update README.md`."""
+    text = README.read_text(encoding="utf-8")
+    assert schema.current_block(text) == schema.block(), "run: benchbackend schema --update README.md"
+
+
+def _documented(markdown: str, section: str) -> set[str]:
+    heading = "#### Top level" if section == "(top level)" else f"#### `{section}`"
+    part = markdown.split(heading + "\n", 1)[1].split("\n#### ", 1)[0]
+    return set(re.findall(r"^\| `([a-z_]+)` \|", part, re.M))
+
+
+def test_every_field_of_every_model_is_documented() -> None:
+    text = schema.markdown()
+    for section, model in schema.SECTIONS:
+        assert _documented(text, section) == set(model.model_fields), section
+    layers = text.split("#### Layers (`model[]`)", 1)[1]
+    for kind, cls in LAYER_CLASSES.items():
+        part = layers.split(f"`type: {kind}`\n", 1)[1].split("\n`type: ", 1)[0]
+        fields = set(re.findall(r"^\| `([a-z_]+)` \|", part, re.M))
+        assert fields == set(cls.model_fields) - {"type", "name", "inputs"}, kind
+
+
+def _row(text: str, section: str, field: str) -> list[str]:
+    heading = "#### Top level" if section == "(top level)" else f"#### `{section}`"
+    part = text.split(heading + "\n", 1)[1] if section else text
+    line = next(ln for ln in part.splitlines() if ln.startswith(f"| `{field}` |"))
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+
+
+def test_types_defaults_and_allowed_values_are_the_models() -> None:
+    text = schema.markdown()
+    assert _row(text, "inference", "batch_size")[1:4] == ["integer", "`128`", "> 0"]
+    assert _row(text, "(top level)", "description")[2] == '`""`'
+    optimizer = _row(text, "training", "optimizer")
+    assert optimizer[2] == "required" and optimizer[3] == "`sgd`, `adam`, `rmsprop`"
+    assert _row(text, "data", "dataset")[3] == "`mnist`, `cifar10`, `synthetic`, `npz`"
+    conv = text.split("`type: conv2d`", 1)[1]
+    assert _row(conv, "", "stride")[1:3] == ["integer", "`1`"]  # `stride`, not `strides`
+    assert "`relu`" in _row(conv, "", "activation")[3] and "`softmax`" in _row(conv, "", "activation")[3]
+    assert _row(text, "checks", "parity_tolerance")[3] == "keys: `fp64`, `bf16`, `fp16`"
+    assert _row(text, "(top level)", "name")[3].endswith("matches `^[A-Za-z0-9._-]+$`")
+
+
+def test_every_note_names_a_field() -> None:
+    """The hand-written notes (for fields whose model has no description) follow the models."""
+    known = set()
+    for section, model in schema.SECTIONS:
+        key = section.rsplit(".", 1)[-1]
+        known |= {f"{key}.{name}" for name in model.model_fields}
+    for kind, cls in LAYER_CLASSES.items():
+        known |= {f"{kind}.{name}" for name in cls.model_fields}
+    assert set(schema.NOTES) <= known, set(schema.NOTES) - known
+
+
+def test_schema_command_prints_the_reference_and_updates_a_file(tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = runner.invoke(main, ["schema"])
+    assert out.exit_code == 0 and out.output == schema.markdown()
+    assert "Markdown" in runner.invoke(main, ["schema", "--help"]).output
+    doc = tmp_path / "README.md"
+    doc.write_text(f"intro\n{schema.BEGIN}\nstale\n{schema.END}\nrest\n", encoding="utf-8")
+    done = runner.invoke(main, ["schema", "--update", str(doc)])
+    assert done.exit_code == 0, done.output
+    assert doc.read_text(encoding="utf-8") == f"intro\n{schema.block()}\nrest\n"
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers\n", encoding="utf-8")
+    failed = runner.invoke(main, ["schema", "--update", str(bare)])
+    assert failed.exit_code == 2 and "markers are missing" in failed.output
+
+
+def test_a_changed_model_changes_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import Field, create_model
+
+    from benchbackend.workload import InferenceSpec
+
+    changed = create_model("InferenceSpec", __base__=InferenceSpec,
+                           batch_size=(int, Field(default=64, gt=0)))
+    sections = tuple((s, changed if m is InferenceSpec else m) for s, m in schema.SECTIONS)
+    monkeypatch.setattr(schema, "SECTIONS", sections)
+    assert _row(schema.markdown(), "inference", "batch_size")[2] == "`64`"
+    assert schema.block() != schema.current_block(README.read_text(encoding="utf-8"))
