@@ -15,7 +15,16 @@ from typing import Optional
 import click
 
 from . import backends as registry
-from .errors import BackendUnavailable, BenchError, ClusterError, DataError, EnvError, ResultsError, WorkloadError
+from .errors import (
+    BackendUnavailable,
+    BenchError,
+    ClusterError,
+    DataError,
+    EnvError,
+    OutputError,
+    ResultsError,
+    WorkloadError,
+)
 
 DEFAULT_BACKENDS = ("torch", "tensorflow")
 
@@ -93,7 +102,9 @@ def main() -> None:
                    "of any (A B A B), so that drift of the machine does not read as a difference; sequential: "
                    "all repeats of one before the next (A A B B).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="CSV to write. Default: results/<timestamp>-<workloads>.csv")
+              help="CSV to write. Default: results/<timestamp>-<workloads>.csv. An existing file is kept: "
+                   "the run writes beside it (NAME-2.csv, ...) unless --force.")
+@click.option("--force", is_flag=True, help="Overwrite an existing -o file (and its plots folder).")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write plots next to the CSV.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display (the summary and verdict still print).")
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
@@ -101,7 +112,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int],
         inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float],
         executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
-        parity_steps: int, order: str, output: Optional[Path], plots: bool, quiet: bool) -> None:
+        parity_steps: int, order: str, output: Optional[Path], force: bool, plots: bool, quiet: bool) -> None:
     """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend, mode and precision.
 
     \b
@@ -113,8 +124,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run mnist -b torch -b numpy --executor ray --address head:6379
       benchbackend run path/to/my_workload.yaml -b tensorflow
     """
+    from . import outputs, progress, results, runner
     from . import plan as planning
-    from . import progress, results, runner
 
     try:
         loaded = _workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed)
@@ -125,7 +136,15 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
             registry.require_any(names)  # a cluster's nodes may have what this machine lacks
     except (WorkloadError, BackendUnavailable) as exc:
         raise UsageFailure(str(exc)) from None
-    out = output or results.default_path([w.name for w in loaded])
+    try:
+        where = outputs.choose(output, results.default_path([w.name for w in loaded]), force=force, plots=plots)
+        for warning in planning.size_warnings(loaded, limit, inference_only):
+            _err(f"warning: {warning}")
+    except (OutputError, WorkloadError) as exc:
+        raise UsageFailure(str(exc)) from None
+    if where.note:
+        _err(f"note: {where.note}")
+    out = where.csv
     try:
         writer = results.CsvWriter(out)
     except OSError as exc:

@@ -28,3 +28,7 @@ class EnvError(BenchError):
 
 class ClusterError(BenchError):
     """The Ray cluster cannot be reached or joined (usage error, exit 2)."""
+
+
+class OutputError(BenchError):
+    """A results file or plots folder cannot be written where asked (usage error, exit 2)."""

@@ -21,6 +21,11 @@ from .workload import Workload
 
 ORDERS = ("interleaved", "sequential")
 
+#: Fewer training samples per class than this, and a correct backend is not expected to clear the
+#: chance check (checks.chance_accuracy): the network has too little to learn from, so a
+#: chance_accuracy status would say nothing about the backend.
+MIN_PER_CLASS = 10
+
 
 @dataclass(frozen=True)
 class Options:
@@ -163,3 +168,23 @@ def resolve(names: list[str], modes: list[str], precisions: list[str], device: s
                     problem = f"{s.name} does not take --device {device}; it takes {', '.join(s.devices)}"
                 out.append(Choice(s.name, mode, precision, problem))
     return out
+
+
+def size_warnings(workloads: list[Workload], limit: Optional[int], inference_only: bool) -> list[str]:
+    """What the sizes of a run make doubtful, said before it starts: a ``--limit`` above a data
+    set (it is capped), a batch larger than the training set (each epoch is then one smaller
+    step, not the batch asked for), a training set too small for the chance check to mean anything."""
+    out: list[str] = []
+    for w in workloads:
+        train = w.data.train
+        if limit is not None and limit > train:
+            out.append(f"{w.name}: --limit {limit:,} is above its {train:,} training samples; all {train:,} are used")
+        if inference_only:
+            continue
+        if w.training.batch_size > train:
+            out.append(f"{w.name}: batch size {w.training.batch_size:,} is larger than the {train:,} training samples: "
+                       f"each epoch is one step of {train:,}, not a batch of {w.training.batch_size:,}")
+        if train < MIN_PER_CLASS * w.num_classes:
+            out.append(f"{w.name}: {train:,} training samples for {w.num_classes} classes (under {MIN_PER_CLASS} per "
+                       "class): even a correct backend is likely to end at chance_accuracy; raise --limit")
+    return list(dict.fromkeys(out))  # a batch-size sweep repeats a workload: say each thing once
