@@ -256,12 +256,20 @@ def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
 
 @main.command(name="list")
 @click.option("--no-probe", is_flag=True, help="Skip asking each installed backend for its devices (faster).")
+@click.option("--refresh", is_flag=True, help="Probe every backend's devices again instead of using the cache "
+                                            "(after a driver or device change).")
 @click.option("--markdown", is_flag=True, help="Print the backends as the README's Markdown table and exit.")
-def list_(no_probe: bool, markdown: bool) -> None:
-    """Show the workloads and the backends: installed or not, version, devices, modes, precisions."""
+def list_(no_probe: bool, refresh: bool, markdown: bool) -> None:
+    """Show the workloads and the backends: installed or not, version, devices, modes, precisions.
+
+    Devices come from each backend's own process (seconds each, in parallel), cached per installed
+    version: later calls answer at once; --refresh probes again."""
     from . import inventory
 
-    click.echo(inventory.markdown_table() if markdown else inventory.render(probe_devices=not no_probe))
+    if markdown:
+        click.echo(inventory.markdown_table())
+        return
+    click.echo(inventory.render(probe_devices=not no_probe, refresh=refresh, progress=_err))
 
 
 @main.command()

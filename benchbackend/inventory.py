@@ -1,17 +1,87 @@
 """What ``benchbackend list`` shows: workloads, and backends with availability, version and devices.
 
 Devices come from asking each installed backend's worker (``python -m benchbackend.worker --probe``)
-in its own process, in parallel, so this process never imports a framework.
+in its own process, in parallel, so this process never imports a framework. A probe takes seconds
+(the framework's import), so its answer is cached in ``paths.cache_dir() / "devices.json"``, keyed
+on what could change it: the interpreter, the adapter, the installed version, this package's
+version, the host and the device-selecting environment variables (``CUDA_*``, ``TF_*``, ...). A
+new driver or a GPU added under the same key is not seen until ``list --refresh``.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from . import backends, model, workload
 from .errors import BackendUnavailable, WorkloadError
 
 PROBE_TIMEOUT_S = 120
+#: Environment variables (by prefix) that choose what devices a framework sees.
+DEVICE_VARS = ("CUDA_", "HIP_", "ROCR_", "TPU_", "JAX_", "XLA_", "TF_", "PLAIDML_", "OCL_", "KERAS_", "PYTHONPATH")
+
+
+def _cache_path() -> Path:
+    from .paths import cache_dir
+
+    return cache_dir() / "devices.json"
+
+
+def _key(spec: backends.BackendSpec) -> str:
+    from . import __version__
+    from .launch import python_for, worker_environ
+
+    env = {k: v for k, v in sorted(worker_environ(spec).items()) if k.startswith(DEVICE_VARS)}
+    parts = [python_for(spec), spec.target, backends.version(spec), __version__, platform.node(), env]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _load() -> dict[str, Any]:
+    try:
+        cache = json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _save(cache: dict[str, Any]) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs the probe again next time
+
+
+def probes(specs: list[backends.BackendSpec], refresh: bool = False,
+           progress: Callable[[str], None] = lambda line: None) -> dict[str, dict[str, Any]]:
+    """Each backend's probe (``{"version", "devices"}`` or ``{"error"}``), from the cache where its
+    key is unchanged (then with ``"cached"``: the date it was probed), else probed now, in parallel;
+    ``progress`` hears which backends are being probed. A failed probe is never cached."""
+    cache = {} if refresh else _load()
+    keys = {s.name: _key(s) for s in specs}
+    out = {s.name: dict(cache[keys[s.name]]) for s in specs if keys[s.name] in cache}
+    todo = [s for s in specs if s.name not in out]
+    if todo:
+        progress(f"probing devices of {', '.join(s.name for s in todo)} (cached afterwards; list --refresh re-probes)")
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futures = {s.name: pool.submit(probe, s) for s in todo}
+            fresh = {name: f.result() for name, f in futures.items()}
+        stamp = time.strftime("%Y-%m-%d")
+        cache = _load()
+        for name, found in fresh.items():
+            out[name] = found
+            if "error" not in found:
+                cache[keys[name]] = dict(found, cached=stamp)
+        _save(cache)
+    return out
 
 
 def probe(spec: backends.BackendSpec) -> dict[str, Any]:
@@ -25,7 +95,8 @@ def probe(spec: backends.BackendSpec) -> dict[str, Any]:
         return {"error": str(exc)}
 
 
-def render(probe_devices: bool = True) -> str:
+def render(probe_devices: bool = True, refresh: bool = False,
+           progress: Callable[[str], None] = lambda line: None) -> str:
     lines = ["Workloads:"]
     for name, path in workload.available().items():
         try:
@@ -40,20 +111,19 @@ def render(probe_devices: bool = True) -> str:
     specs = [backends.get(name) for name in backends.BACKENDS]
     problems = {s.name: backends.problem(s) for s in specs}
     ready = {name: not why for name, why in problems.items()}
-    probes: dict[str, dict[str, Any]] = {}
+    found: dict[str, dict[str, Any]] = {}
     if probe_devices:
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            futures = {s.name: pool.submit(probe, s) for s in specs if ready[s.name]}
-            probes = {name: f.result() for name, f in futures.items()}
+        found = probes([s for s in specs if ready[s.name]], refresh, progress)
     for s in specs:
         if not ready[s.name]:
             lines.append(f"  {s.name:<11} not installed ({problems[s.name]})   install: {s.install}")
             continue
-        p = probes.get(s.name, {})
+        p = found.get(s.name, {})
         if "error" in p:
             devices = f"devices: probe failed: {p['error']}"
         elif p:
             devices = "devices: " + ", ".join(p.get("devices", []))
+            devices += f" (probed {p['cached']})" if p.get("cached") else ""
         else:
             devices = "devices: (not probed)"
         lines.append(f"  {s.name:<11} {backends.version(s) or p.get('version', ''):<16} {devices}")

@@ -116,3 +116,21 @@ def test_sizes_that_make_a_run_doubtful_are_said_before_it(monkeypatch, tmp_path
     out, started = _run(monkeypatch, "--batch-size", "100000", "-o", str(tmp_path / "r.csv"), "--no-plots")
     assert out.stderr.startswith("warning: mnist: batch size 100,000 is larger than the 200 training samples")
     assert started == [1]
+
+
+def test_list_probes_once_per_installed_version_and_refreshes_on_request(monkeypatch, tmp_path):
+    from benchbackend import backends, inventory
+
+    monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    spec = backends.get("numpy")
+    lines: list[str] = []
+    first = inventory.probes([spec], progress=lines.append)["numpy"]
+    assert first["devices"] and "cached" not in first and lines and "numpy" in lines[0]
+    again = inventory.probes([spec], progress=lines.append)["numpy"]
+    assert again["devices"] == first["devices"] and again["cached"] and len(lines) == 1  # no second probe
+    assert "cached" not in inventory.probes([spec], refresh=True)["numpy"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what a framework can see changed: probe again
+    assert "cached" not in inventory.probes([spec])["numpy"]
+    out = CliRunner().invoke(main, ["list"])
+    assert out.exit_code == 0 and "(probed " in out.stdout
