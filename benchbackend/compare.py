@@ -16,6 +16,10 @@ feed the timings. The text comes from :mod:`benchbackend.tables`.
 (DAWNBench's metric: the training seconds until the validation accuracy first reached the
 workload's ``checks.target_accuracy``), with the same decision rule; a repeat that never reached
 the target has no time and is counted apart, and a group where none did is not ranked.
+
+Over 400 lines: the command's whole flow (read, pool, group, rank, warn, print in four formats,
+exit code) reads top to bottom in one place; the decision rules (stats), the reductions
+(summary) and the formatting (tables) are already apart.
 """
 from __future__ import annotations
 

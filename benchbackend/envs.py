@@ -21,6 +21,10 @@ elsewhere and records DIR in ``<root>/<name>.location``, which ``env_dir`` then 
 
 The worker runs with ``PYTHONPATH`` set to a directory holding only the ``benchbackend`` package
 (``worker_env``), so the env needs numpy, pyyaml and pydantic but not benchbackend itself.
+
+Over 400 lines: building, verifying and describing an isolated environment is one job (the
+marker file's states, the pins' directives, the lock two processes share); splitting it would
+spread that one state machine over several files.
 """
 from __future__ import annotations
 

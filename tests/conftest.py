@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +22,21 @@ collect_ignore = [] if os.environ.get("BENCHBACKEND_ISOLATED") else ["test_onnx_
 REQUIRE_ALL = os.environ.get("BENCHBACKEND_REQUIRE_ALL") == "1"
 #: What the reason of every "missing here" skip says (and what REQUIRE_ALL turns into a failure).
 MISSING = ("is not installed", "cannot build the")
+
+
+def numeric_grad(f, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Central differences of ``f`` (no arguments, a float) over every entry of ``w``, which is
+    perturbed in place and restored."""
+    g = np.zeros_like(w)
+    for idx in np.ndindex(w.shape):
+        old = w[idx]
+        w[idx] = old + eps
+        up = f()
+        w[idx] = old - eps
+        down = f()
+        w[idx] = old
+        g[idx] = (up - down) / (2 * eps)
+    return g
 
 
 def have(*modules: str) -> bool:

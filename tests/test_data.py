@@ -1,4 +1,8 @@
-"""benchbackend.data: real-format readers, downloads against a local server, synthetic data."""
+"""benchbackend.data: real-format readers, downloads against a local server, synthetic data.
+
+Over 400 lines: one test per real-format reader and per way its input can be wrong (missing,
+corrupt, wrong checksum, legacy format), sharing the fake archives at the top.
+"""
 from __future__ import annotations
 
 import functools

@@ -14,6 +14,7 @@ from benchbackend import graph as graph_mod
 from benchbackend.backends import _numpy_ops as ops
 from benchbackend.backends.reference import Network, train_step
 from benchbackend.workload import Layer, TrainingSpec
+from conftest import numeric_grad
 
 
 def layers(*specs: dict) -> list[Any]:
@@ -34,18 +35,6 @@ def net_of(specs: Sequence[dict], in_shape: tuple[int, ...], seed: int = 0, l2: 
                 weights.append(rng.standard_normal(shape) * (0.5 if node.kernel[j] else 0.1))
     return Network(g, weights, l2)
 
-
-def numeric_grad(f, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    g = np.zeros_like(w)
-    for idx in np.ndindex(w.shape):
-        old = w[idx]
-        w[idx] = old + eps
-        up = f()
-        w[idx] = old - eps
-        down = f()
-        w[idx] = old
-        g[idx] = (up - down) / (2 * eps)
-    return g
 
 
 def check_gradients(net: Network, x: np.ndarray, classes: int, check_input: bool = False) -> None:

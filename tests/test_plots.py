@@ -1,4 +1,8 @@
-"""Plots: the figures hold the expected series, failed backends are marked, files are written."""
+"""Plots: the figures hold the expected series, failed backends are marked, files are written.
+
+Over 400 lines: one test per figure and per thing a figure must show (verdict, baseline, colours,
+labels), sharing the context builder below.
+"""
 from __future__ import annotations
 
 import math
