@@ -104,6 +104,23 @@ def cli(*args: str, cwd: Path | None = None, timeout: float = 900, env: dict | N
                           cwd=cwd or ROOT, timeout=timeout, env=full_env)
 
 
+def invoke(*args: str):
+    """The CLI in this process (usage and configuration errors need no worker)."""
+    from click.testing import CliRunner
+
+    from benchbackend.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def one_line_error(result) -> str:
+    """The one line a usage error prints (click's runner mixes stderr into output)."""
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error:"), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
 @pytest.fixture(scope="session")
 def envs_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the isolated environments (PlaidML, Chainer) are built once and reused across runs:

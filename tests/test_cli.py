@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from benchbackend import backends
 from benchbackend.cli import main
-from conftest import ROOT, cli
+from conftest import ROOT, cli, invoke, one_line_error
 
 #: Every module an adapter may import (from the registry), and Ray (the cluster executor).
 FRAMEWORKS = tuple(sorted({m for s in backends.BACKENDS.values() for m in s.requires + s.optional} - {"numpy"}
@@ -51,19 +51,6 @@ def test_list_shows_workloads_and_backends():
 def test_python_dash_m_works():
     out = cli("--help")
     assert out.returncode == 0 and "run" in out.stdout
-
-
-def invoke(*args: str):
-    """The CLI in this process (usage and configuration errors need no worker)."""
-    return CliRunner().invoke(main, list(args))
-
-
-def one_line_error(result) -> str:
-    """The one line a usage error prints (click's runner mixes stderr into output)."""
-    lines = result.output.strip().splitlines()
-    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error:"), result.output
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 @pytest.mark.parametrize("args, needle", [
