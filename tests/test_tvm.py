@@ -20,7 +20,7 @@ import pytest
 from benchbackend import checks
 from benchbackend import workload as W
 from benchbackend.plan import Options
-from conftest import requires, run_cell
+from conftest import requires, run_cell, spawn_cell
 
 pytestmark = [requires("tvm"), pytest.mark.slow]
 TRIALS = 3  # one measured trial per task of TINY: enough to exercise the search
@@ -64,7 +64,15 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def tuned_rows(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _run(tmp_path_factory.mktemp("tuned"), "tiny", "tuned", tune_trials=TRIALS)
+    # In a worker process, as a user's run: MetaSchedule's first TuneContext imports TVM's tensor
+    # intrinsics, whose @prim_func decorators each call inspect.stack(); every frame of that stack
+    # looks its module up over all of sys.modules. In this pytest process (deep stack, torch,
+    # TensorFlow and JAX loaded by other tests) that import took 60 s alone and 260 s in CI.
+    w = _load("tiny").with_overrides(limit=256, epochs=1)
+    rows, outcome, _ = spawn_cell(tmp_path_factory.mktemp("tuned"), w, "tvm", mode="tuned", repeat=0,
+                                  options=Options(tune_trials=TRIALS))
+    assert outcome.status == "done", outcome
+    return [{"type": "row", **r} for r in rows]
 
 
 @pytest.mark.parametrize("name", ["mnist", "cifar10"])
