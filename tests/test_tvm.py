@@ -2,9 +2,9 @@
 and a parity check that fails when the kernels are laid out wrongly.
 
 Tuning searches a one-layer network (flatten, dense, softmax: three tasks) with a trial budget of
-three and a per-module cache folder, so the search runs once per session: MetaSchedule's fixed cost
-(about 30 s of importing its tensor intrinsics here) plus one build and run per trial. The mnist
-CNN's seven tasks at eight trials took three minutes of CI.
+three and a per-module cache folder, so the search runs once per session, in a worker: about 20 s
+here (the worker's start, a build, one build and run per trial, the recompile). The mnist CNN's
+seven tasks at eight trials took three minutes of CI.
 """
 from __future__ import annotations
 
