@@ -3,14 +3,16 @@
 Exit codes: 0 success; 1 a check failed (or a cell crashed, timed out, was unavailable);
 2 usage or configuration error (for ``compare``: also files with no measurements); 3 ``compare
 --fail-on-regression``: a candidate is significantly slower than the baseline by more than the
-factor; 4 ``compare --fail-on-regression``: a candidate is not ok (crashed, NaN loss, ...); 130 Ctrl-C.
+factor; 4 ``compare --fail-on-regression``: a candidate is not ok (crashed, NaN loss, ...); 130 Ctrl-C; 143 SIGTERM.
 No ML framework is imported here.
 """
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import click
 
@@ -157,11 +159,12 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     executor = _executor(executor_name, address, cells_per_node, allow_mixed_hosts, timeout)
     r = runner.Runner(plan, executor, writer, progress.display(quiet))
     try:
-        cells = r.run()
-    except KeyboardInterrupt:
+        with _sigterm_interrupts():
+            cells = r.run()
+    except KeyboardInterrupt as exc:
         _err(f"interrupted: {writer.rows} rows written to {out}")
         _summary(r.results, out if writer.rows else None, plots)
-        sys.exit(130)
+        sys.exit(143 if isinstance(exc, runner.Terminated) else 130)
     except DataError as exc:
         _err(f"Error: {exc}")
         if writer.rows:
@@ -169,6 +172,27 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         sys.exit(2)
     _summary(cells, out if writer.rows else None, plots)
     sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (``kill``, a scheduler's stop, a container's shutdown) ends a run as Ctrl-C does: the
+    running cell's worker is killed, its rows are marked ``interrupted`` and the file is finalized.
+    Python's default would exit at once, leaving the worker running on and its rows ``pending``."""
+    from .runner import Terminated
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated("SIGTERM")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread (a caller's thread): leave SIGTERM alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], **overrides: Optional[int]) -> list:

@@ -23,6 +23,10 @@ from .plan import Cell, GroupId, RunPlan, cells
 from .workload import Workload
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a run: handled as Ctrl-C is (``cli`` raises it from its signal handler)."""
+
+
 @dataclass
 class CellResult:
     """What the end-of-run summary says of one cell (``progress.summary_line``)."""
@@ -108,9 +112,10 @@ class Runner:
                     self.handle(message)
                 for message in self.executor.run(tasks):
                     self.handle(message)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:
+                why = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
                 for state in list(self.open.values()):
-                    self._end(state, Outcome("interrupted", "stopped by Ctrl-C while this cell ran"))
+                    self._end(state, Outcome("interrupted", f"stopped by {why} while this cell ran"))
                 raise
             finally:
                 self.writer.close()

@@ -138,6 +138,32 @@ def test_crashed_worker_keeps_rows_and_stderr_tail(tmp_path, monkeypatch):
     assert set(df["status"]) == {"crashed"}
 
 
+def test_sigterm_stops_the_worker_writes_what_was_measured_and_exits_143(tmp_path):
+    # A scheduler's or a container's stop: the run must not leave its worker running on (it
+    # would load the machine under the next benchmark) nor its rows pending.
+    out_csv = tmp_path / "term.csv"
+    proc = subprocess.Popen([sys.executable, "-m", "benchbackend", "run", "mnist", "-b", "numpy", "--data",
+                             "synthetic", "--limit", "2048", "--epochs", "50", "--repeats", "1", "-o", str(out_csv),
+                             "--no-plots"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if out_csv.exists() and "train_epoch" in out_csv.read_text():
+            break
+        time.sleep(0.5)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert workers, "the run's worker process was not found"
+    proc.terminate()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), \
+            f"worker {pid} still runs"
+    df = results.read(out_csv)
+    assert (df.phase == "train_epoch").sum() >= 1
+    assert set(df["status"]) == {"interrupted"}
+    assert "stopped by SIGTERM" in df.loc[df.phase == "run", "message"].iloc[0]
+
 @requires_tf
 def test_ctrl_c_writes_what_was_measured_and_exits_130(tmp_path):
     out_csv = tmp_path / "int.csv"
