@@ -8,11 +8,9 @@ No ML framework is imported here.
 """
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import click
 
@@ -159,7 +157,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     executor = _executor(executor_name, address, cells_per_node, allow_mixed_hosts, timeout)
     r = runner.Runner(plan, executor, writer, progress.display(quiet))
     try:
-        with _sigterm_interrupts():
+        with runner.sigterm_interrupts():
             cells = r.run()
     except KeyboardInterrupt as exc:
         _err(f"interrupted: {writer.rows} rows written to {out}")
@@ -172,27 +170,6 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         sys.exit(2)
     _summary(cells, out if writer.rows else None, plots)
     sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (``kill``, a scheduler's stop, a container's shutdown) ends a run as Ctrl-C does: the
-    running cell's worker is killed, its rows are marked ``interrupted`` and the file is finalized.
-    Python's default would exit at once, leaving the worker running on and its rows ``pending``."""
-    from .runner import Terminated
-
-    def stop(signum: int, frame: object) -> None:
-        raise Terminated("SIGTERM")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread (a caller's thread): leave SIGTERM alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], **overrides: Optional[int]) -> list:

@@ -8,6 +8,8 @@ nothing already measured, and never leaves a partial cell marked ``ok``.
 """
 from __future__ import annotations
 
+import contextlib
+import signal
 import tempfile
 import time
 import uuid
@@ -24,7 +26,26 @@ from .workload import Workload
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM during a run: handled as Ctrl-C is (``cli`` raises it from its signal handler)."""
+    """SIGTERM during a run (see :func:`sigterm_interrupts`): handled as Ctrl-C is."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (``kill``, a scheduler's stop, a container's shutdown) ends a run as Ctrl-C does: the
+    running cell's worker is killed, its rows are marked ``interrupted`` and the file is finalized.
+    Python's default would exit at once, leaving the worker running on and its rows ``pending``."""
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated("SIGTERM")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread (a caller's thread): leave SIGTERM alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
