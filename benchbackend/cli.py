@@ -239,9 +239,9 @@ def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
     made: list[Path] = []
     if plots:
         try:
-            from . import plots as plotting
+            from . import report
 
-            made = plotting.write_report(df, csv_path.with_name(csv_path.stem + "-plots"),
+            made = report.write_report(df, csv_path.with_name(csv_path.stem + "-plots"),
                                          summary_text=outcome.text, warnings=outcome.warnings)
         except Exception as exc:
             _err(f"warning: plots not written: {exc}")
@@ -319,9 +319,9 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
         outcome = cmp.run_compare(list(paths), baseline=baseline, candidate=candidate, fmt=fmt,
                                   skip_bad=skip_bad, fail_on_regression=fail_on_regression, metric=metric)
         if plots is not None and outcome.frame is not None:
-            from . import plots as plotting
+            from . import report
 
-            made = plotting.write_report(outcome.frame, Path(plots), summary_text=outcome.table_text,
+            made = report.write_report(outcome.frame, Path(plots), summary_text=outcome.table_text,
                                          warnings=outcome.warnings, baseline=baseline, metric=metric)
             _err(f"report: {made[-1]}")
     except ResultsError as exc:

@@ -59,7 +59,7 @@ class CompareOutcome:
     text: str
     warnings: list[str]
     exit_code: int
-    #: The rows compared (for ``plots.write_report``) and the terminal table of them.
+    #: The rows compared (for ``report.write_report``) and the terminal table of them.
     frame: Optional[pd.DataFrame] = None
     table_text: str = ""
     #: The terminal table without its verdict lines, and those lines (``run`` prints its
@@ -428,7 +428,7 @@ def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tup
     """Read results CSVs (files, directories, globs) and compare backends.
 
     ``fmt`` is table, markdown, csv or json. The outcome carries the rows and the terminal table,
-    which ``plots.write_report`` draws. ``skip_bad`` goes on without unreadable files (each becomes
+    which ``report.write_report`` draws. ``skip_bad`` goes on without unreadable files (each becomes
     a warning). ``fail_on_regression`` (a factor >= 1) sets exit_code 4 when a ``candidate``
     (every non-baseline group when none is named) is not ok, else 3 when one is slower than the
     baseline by more than that factor and significantly so, in training or inference.

@@ -24,7 +24,6 @@ from .stats import CI_LABEL
 from .style import FAILED_COLOR, FAILED_FACE, FAILED_LINESTYLE, colors, figure, mark_failed_ticks, styles, wrap
 
 if TYPE_CHECKING:
-    from pathlib import Path
 
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -377,11 +376,3 @@ def batch_size_figure(groups: pd.DataFrame, title: str, phase: str = "train") ->
                        f"{_interval_note(groups['steady_interval' if phase == 'train' else 'infer_interval'])}"
                        f"{mfu_note})", 7.5), fontsize=11)
     return fig
-
-
-def write_report(df: pd.DataFrame, out_dir: "Path", summary_text: str = "", warnings: Iterable[str] = (),
-                 baseline: Optional[str] = None, metric: str = "epoch-time") -> list["Path"]:
-    """The report: :func:`benchbackend.report.write_report`, for callers that still import it from here."""
-    from . import report
-
-    return report.write_report(df, out_dir, summary_text, warnings, baseline=baseline, metric=metric)

@@ -552,9 +552,9 @@ def _modules_after(code: str) -> set[str]:
 
 def test_compare_imports_no_ml_framework(two_x: Path, tmp_path: Path) -> None:
     code = (f"from benchbackend import compare\n"
-            f"from benchbackend import plots\n"
+            f"from benchbackend import report\n"
             f"out = compare.run_compare([{str(two_x)!r}])\n"
-            f"plots.write_report(out.frame, {str(tmp_path / 'p')!r}, out.table_text)\n"
+            f"report.write_report(out.frame, {str(tmp_path / 'p')!r}, out.table_text)\n"
             f"assert 'torch' in out.text")
     assert _modules_after(code) == set()
 

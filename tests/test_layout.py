@@ -1,5 +1,6 @@
 """The house rules that a reviewer would otherwise check by eye: no import cycle between the
-package's modules, and no module over 400 lines without a reason written at its top."""
+package's modules (deferred imports inside functions included), and no module over 400 lines
+without a reason written at its top."""
 from __future__ import annotations
 
 import ast
@@ -24,8 +25,8 @@ def _modules(root: Path) -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package modules ``name`` imports when it is imported (``TYPE_CHECKING`` blocks and
-    imports inside functions run later, so they cannot close a cycle at import time)."""
+    """The package modules ``name`` imports, at its top or inside a function (a deferred import
+    still ties the two modules together); ``TYPE_CHECKING`` blocks never run."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -33,12 +34,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
         for s in statements:
             if isinstance(s, ast.If) and "TYPE_CHECKING" in ast.unparse(s.test):
                 continue
-            if isinstance(s, (ast.If, ast.Try, ast.With)):
-                visit(s.body)
-                visit(getattr(s, "orelse", []))
-                for handler in getattr(s, "handlers", []):
-                    visit(handler.body)
-            elif isinstance(s, ast.Import):
+            if isinstance(s, ast.Import):
                 found.update(a.name for a in s.names)
             elif isinstance(s, ast.ImportFrom):
                 if s.level:
@@ -48,6 +44,8 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
                     module = s.module or ""
                 found.add(module)
                 found.update(f"{module}.{a.name}" for a in s.names)
+            else:
+                visit([c for c in ast.iter_child_nodes(s) if isinstance(c, ast.stmt)])
 
     visit(ast.parse(path.read_text()).body)
     return {m for m in found if m in known and m != name}
@@ -89,6 +87,9 @@ def test_the_cycle_finder_sees_a_planted_cycle(tmp_path):
                               "from .a import thing\n")
     (pkg / "c.py").write_text("import pkg.b\n")
     assert cycles(pkg) == [["pkg.a", "pkg.b", "pkg.a"]]
+    (pkg / "d.py").write_text("def late():\n    from . import e\n")
+    (pkg / "e.py").write_text("from . import d\n")
+    assert ["pkg.d", "pkg.e", "pkg.d"] in cycles(pkg)
 
 
 def test_long_modules_say_why():

@@ -174,7 +174,7 @@ def test_inference_boxes_per_backend(frame: pd.DataFrame) -> None:
 
 
 def test_write_report_writes_pngs_and_index(frame: pd.DataFrame, tmp_path: Path) -> None:
-    written = plots.write_report(frame, tmp_path / "out", warnings=["workload 'mnist' has 2 definitions"])
+    written = report.write_report(frame, tmp_path / "out", warnings=["workload 'mnist' has 2 definitions"])
     pngs = [p for p in written if p.suffix == ".png"]
     assert len(pngs) == 4 and written[-1].name == "index.html"
     for png in pngs:
@@ -195,18 +195,18 @@ def test_compare_then_plots_puts_the_compare_table_and_warnings_in_the_report(tm
     b = _write(tmp_path / "b.csv", workload_hash="h2", samples=2000)
     out = run_compare([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
     assert a is not None and b is not None
-    page = plots.write_report(out.frame, tmp_path / "out", out.table_text, out.warnings)[-1].read_text()
+    page = report.write_report(out.frame, tmp_path / "out", out.table_text, out.warnings)[-1].read_text()
     assert "fastest correct" in page and "baseline: torch" in page
     assert "mnist (limit 1024)" in page and "2 different definitions" in page and "RuntimeError: boom" in page
 
 
 def test_single_epoch_and_unwritable_folder(tmp_path: Path) -> None:
     df = _write(tmp_path / "one.csv", epochs=1, repeats=1)
-    assert len(plots.write_report(df, tmp_path / "one", "")) == 5
+    assert len(report.write_report(df, tmp_path / "one", "")) == 5
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ResultsError, match="cannot write plots"):
-        plots.write_report(df, blocker / "sub", "")
+        report.write_report(df, blocker / "sub", "")
 
 
 def test_importing_plots_does_not_import_matplotlib() -> None:
