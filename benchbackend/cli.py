@@ -242,7 +242,7 @@ def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
             from . import report
 
             made = report.write_report(df, csv_path.with_name(csv_path.stem + "-plots"),
-                                         summary_text=outcome.text, warnings=outcome.warnings)
+                                       summary_text=outcome.text, warnings=outcome.warnings)
         except Exception as exc:
             _err(f"warning: plots not written: {exc}")
     if verdict:
@@ -322,7 +322,7 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
             from . import report
 
             made = report.write_report(outcome.frame, Path(plots), summary_text=outcome.table_text,
-                                         warnings=outcome.warnings, baseline=baseline, metric=metric)
+                                       warnings=outcome.warnings, baseline=baseline, metric=metric)
             _err(f"report: {made[-1]}")
     except ResultsError as exc:
         raise UsageFailure(str(exc)) from None
