@@ -1,5 +1,6 @@
-"""Apache TVM backend (inference only): forward parity in both modes, the cached tuning database,
-and a parity check that fails when the kernels are laid out wrongly.
+"""Apache TVM backend (inference only): forward parity in both modes, the default mode's CPU
+schedule (parallel, vectorized, same results as TVM's unscheduled loops), the cached tuning
+database, and a parity check that fails when the kernels are laid out wrongly.
 
 Tuning searches a one-layer network (flatten, dense, softmax: three tasks) with a trial budget of
 three and a per-module cache folder, so the search runs once per session, in a worker: about 20 s
@@ -77,7 +78,6 @@ def tuned_rows(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> list[di
 
 @pytest.mark.parametrize("name", ["mnist", "cifar10"])
 def test_default_mode_matches_the_reference(tmp_path: Path, name: str) -> None:
-    # Untuned Relax kernels on CPU are plain loops (cifar10: ~20 samples/s on two cores), so
     # cifar10 gets a tiny test split: one full batch and a padded one.
     rows = _run(tmp_path, name, "default", **({"test": 40} if name == "cifar10" else {}))
     _assert_parity(rows, name)
@@ -87,6 +87,60 @@ def test_default_mode_matches_the_reference(tmp_path: Path, name: str) -> None:
     inference = _phase(rows, "inference")
     n_test = len(np.load(next(tmp_path.glob(f"{name}-*.npz")))["y_test"])  # the arrays job_arrays wrote
     assert inference and all(r["samples"] == n_test and r["seconds"] > 0 for r in inference)
+
+
+def _loop_kinds(mod: Any) -> dict[str, set[str]]:
+    """Each kernel's loop kinds as TVMScript prints them (``serial``, ``parallel``, ...)."""
+    import re
+
+    import tvm
+
+    return {gv.name_hint: set(re.findall(r" in T\.(\w+)\(", f.script()))
+            for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def test_default_schedule_runs_every_kernel_in_parallel_and_vectorized() -> None:
+    # TVM's CPU pipeline schedules nothing (scalar loops on one thread: ResNet-50 took hours):
+    # every kernel of a ResNet after our rule has a parallel loop and a vector loop.
+    import tvm
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    from benchbackend.backends.tvm import host_target, relax_module
+    from benchbackend.backends.tvm_schedule import schedule_pass
+
+    target = host_target(2)
+    with target:
+        fused = tvm.transform.Sequential([*cpu.library_dispatch_passes(target),
+                                          *cpu.legalize_passes(target)])(relax_module(W.load("resnet8"), 4))
+        before = _loop_kinds(fused)  # now: the pass schedules the module's functions in place
+        after = _loop_kinds(schedule_pass()(fused))
+    assert after.keys() == before.keys() and len(after) >= 10, "conv, pool, mean, dense, softmax kernels"
+    assert all(kinds <= {"grid", "serial"} for kinds in before.values()), before
+    for name, kinds in after.items():
+        assert {"parallel", "vectorized"} <= kinds, (name, kinds)
+    assert all("unroll" in kinds for name, kinds in after.items() if "conv" in name), "a register tile"
+
+
+@pytest.mark.parametrize("name", ["resnet8", "cifar10"])
+def test_default_schedule_gives_the_unscheduled_loops_results_bit_for_bit(name: str) -> None:
+    # Loops reordered only: each output element sums its reduction in the same order.
+    import tvm
+    from tvm import relax
+
+    from benchbackend.backends.tvm import device_params, host_target, relax_module
+    from benchbackend.backends.tvm_schedule import default_pipeline
+    from benchbackend.model import initial_weights
+
+    w = W.load(name)
+    target, dev = host_target(2), tvm.cpu(0)
+    x = np.random.default_rng(2).random((4, *w.input_shape), dtype=np.float32)
+    params = device_params(initial_weights(w), dev)
+    outs = []
+    for pipeline in (relax.get_default_pipeline(target), default_pipeline(target)):
+        with target:
+            vm = relax.VirtualMachine(tvm.compile(relax_module(w, 4), target, relax_pipeline=pipeline), dev)
+        outs.append(vm["main"](tvm.runtime.tensor(x, dev), *params).numpy())
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 def test_scores_drop_the_padding_of_a_short_last_batch() -> None:
@@ -162,3 +216,32 @@ def test_a_second_tune_reuses_the_database(tuned_rows: list[dict[str, Any]], cac
     assert other_size.database_dir(TRIALS) == folder
     other_batch = TVMBackend(w.with_overrides(batch_size=64), "cpu", "tuned")
     assert other_batch.database_dir(TRIALS) != folder
+
+
+def test_tuned_kernels_keep_their_searched_schedule_and_the_rest_get_the_rule(tuned_rows: list[dict[str, Any]],
+                                                                            cache: Path) -> None:
+    # TVM's compile_relax leaves a kernel the database has no record of as scalar loops; ours
+    # schedules it with the default rule, and leaves the searched ones as the search wrote them.
+    import tvm
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+    from tvm.relax.transform import MetaScheduleApplyDatabase
+    from tvm.s_tir import meta_schedule as ms
+
+    from benchbackend.backends.tvm import host_target, relax_module
+    from benchbackend.backends.tvm_schedule import schedule_pass
+
+    (folder,) = (cache / "tvm").iterdir()
+    database = ms.database.JSONDatabase(str(folder / "workloads.json"), str(folder / "records.json"))
+    target = host_target(os.cpu_count() or 1)  # the target the search ran for (the worker's default threads)
+    scripts = {}
+    for name in ("tiny", "mnist"):  # tiny: the searched network; mnist: kernels the database never saw
+        with target, database, tvm.transform.PassContext(opt_level=3):
+            mod = tvm.transform.Sequential([*cpu.library_dispatch_passes(target), *cpu.legalize_passes(target),
+                                            MetaScheduleApplyDatabase()])(relax_module(_load(name), 32))
+            searched = {gv.name_hint: f.script() for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+            scripts[name] = (searched, {gv.name_hint: f.script() for gv, f in schedule_pass()(mod).functions.items()
+                                        if isinstance(f, tvm.tirx.PrimFunc)})
+    searched, final = scripts["tiny"]
+    assert final == searched and any("T.parallel" in s or "T.vectorized" in s for s in final.values())
+    _, final = scripts["mnist"]
+    assert all("T.parallel" in s for s in final.values()), "the rule's schedule where the search has none"

@@ -112,7 +112,8 @@ BACKENDS: dict[str, BackendSpec] = {
                     capabilities=Capabilities(thread_control=True)),
         BackendSpec("tvm", _adapter("tvm", "TVMBackend"), ("tvm",), "apache-tvm", "pip install 'benchbackend[tvm]'",
                     "Apache TVM 0.27 Relax compiled for the host CPU (llvm -mcpu=<detected>)",
-                    modes=(Mode("default", "Relax default pipeline for llvm -mcpu=<host>; no schedule search"),
+                    modes=(Mode("default", "Relax pipeline for llvm -mcpu=<host> with a fixed parallel, vectorized CPU "
+                                           "schedule; no search"),
                            Mode("tuned", "MetaSchedule search (--tune-trials), database cached per model, batch "
                                          "and target, then recompiled")),
                     trains=False, extra="tvm", devices=("cpu",), capabilities=Capabilities(thread_control=True)),

@@ -1,9 +1,11 @@
 """Apache TVM adapter (inference only): the spec as a Relax graph, compiled for the host CPU.
 
-Modes: ``default`` compiles with TVM's default Relax pipeline for the ``llvm`` target (legalize,
-fuse, lower; no schedule search). ``tuned`` additionally searches schedules with MetaSchedule in
-``tune()`` and recompiles with the resulting database, which is cached per workload definition,
-target and trial budget, so a later run reuses it.
+Modes: ``default`` compiles with TVM's Relax pipeline for the ``llvm`` target (legalize, fuse,
+lower) plus a fixed CPU schedule, parallel and vectorized (``tvm_schedule.py``; TVM's own CPU
+pipeline schedules nothing); no schedule search. ``tuned`` additionally searches schedules with
+MetaSchedule in ``tune()`` and recompiles with the resulting database (the fixed schedule for any
+kernel the search left without a record), which is cached per workload definition, target and trial
+budget, so a later run reuses it.
 
 The graph is built directly with ``relax.BlockBuilder`` in NHWC/HWIO, the canonical layout, so the
 shared weights go in unchanged and the input needs no transpose. The executable is compiled for one
@@ -39,6 +41,7 @@ from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Fl
 from ..paths import cache_dir
 from ..workload import Workload
 from .base import Backend
+from .tvm_schedule import compile_module
 
 #: Layouts of the Relax graph; the canonical ones, so weights and inputs need no conversion.
 DATA_LAYOUT = "NHWC"
@@ -177,11 +180,10 @@ class TVMBackend(Backend):
 
     # --- lifecycle --------------------------------------------------------------------------
     def build(self, weights: Sequence[np.ndarray]) -> int:
-        """Compile with the default pipeline (both modes: ``tuned`` recompiles in ``tune()``)."""
+        """Compile with the fixed CPU schedule (both modes: ``tuned`` recompiles in ``tune()``)."""
         self._mod = relax_module(self.workload, self.batch)
         self._params = device_params(weights, self.dev)
-        with self.target:
-            executable = tvm.compile(self._mod, self.target, relax_pipeline=relax.get_default_pipeline(self.target))
+        executable = compile_module(self._mod, self.target)
         self._vm = relax.VirtualMachine(executable, self.dev)
         return int(sum(w.size for w in weights))
 
@@ -203,7 +205,7 @@ class TVMBackend(Backend):
         searched = time.perf_counter() - started
         database = ms.database.JSONDatabase(str(folder / "workloads.json"), str(folder / "records.json"),
                                             allow_missing=False)
-        executable = ms.relax_integration.compile_relax(database, self._mod, self.target, params=None)
+        executable = compile_module(self._mod, self.target, database)
         self._vm = relax.VirtualMachine(executable, self.dev)
         compiled = time.perf_counter() - started - searched
         return f"{what}; compiled with it in {compiled:.1f} s"
