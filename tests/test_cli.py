@@ -56,6 +56,7 @@ def test_python_dash_m_works():
 @pytest.mark.parametrize("args, needle", [
     (["run", "nope", "-b", "torch"], "unknown workload 'nope'"),
     (["run", "mnist", "-b", "caffe"], "unknown backend 'caffe'"),
+    (["run", "mnist", "-b", "tvm:tuned"], "unknown backend 'tvm:tuned' (for a mode: -b tvm --mode tvm:tuned)"),
     (["run", "does/not/exist.yaml"], "does/not/exist.yaml: workload file not found"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, needle):

@@ -173,7 +173,9 @@ def get(name: str) -> BackendSpec:
     try:
         spec = BACKENDS[name]
     except KeyError:
-        raise BackendUnavailable(f"unknown backend '{name}'; choose from {', '.join(BACKENDS)}") from None
+        backend, colon, mode = name.partition(":")
+        hint = f" (for a mode: -b {backend} --mode {name})" if colon and backend in BACKENDS else ""
+        raise BackendUnavailable(f"unknown backend '{name}'{hint}; choose from {', '.join(BACKENDS)}") from None
     choice = _interpreters().get(name)
     if choice is None:
         return spec
