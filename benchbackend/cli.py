@@ -85,6 +85,9 @@ def main() -> None:
 @click.option("--tune-trials", type=click.IntRange(1), default=64, show_default=True,
               help="Schedule-search budget for tuning modes (tvm:tuned).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per worker before it is killed.")
+@click.option("--preload/--no-preload", default=True, show_default=True,
+              help="Local CPU cells: fork each repeat's fresh worker from a process that imported the backend "
+                   "once (framework import is 1-4 s a cell, untimed); --no-preload starts a new interpreter.")
 @click.option("--executor", "executor_name", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="local: one cell at a time on this machine. ray: cells as Ray tasks on a cluster "
                    "(pip install 'benchbackend[ray]'); a group's repeats run on one node.")
@@ -110,7 +113,7 @@ def main() -> None:
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
         device: str, repeats: int, epochs: Optional[int], limit: Optional[int], seed: Optional[int], data_source: str,
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int],
-        inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float],
+        inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
         executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
         parity_steps: int, order: str, output: Optional[Path], force: bool, plots: bool, quiet: bool) -> None:
     """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend, mode and precision.
@@ -154,7 +157,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
                             inference_only=inference_only, options=options, order=order)
-    executor = _executor(executor_name, address, cells_per_node, allow_mixed_hosts, timeout)
+    executor = _executor(executor_name, address, cells_per_node, allow_mixed_hosts, timeout, preload)
     r = runner.Runner(plan, executor, writer, progress.display(quiet))
     try:
         with runner.sigterm_interrupts():
@@ -189,7 +192,7 @@ def _workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], **overrides
 
 
 def _executor(name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
-              timeout: Optional[float]):
+              timeout: Optional[float], preload: bool = True):
     """The executor --executor names; a Ray cluster is joined (or started) here, before data is prepared."""
     if name == "local":
         given = [f for f, v in (("--address", address), ("--cells-per-node", cells_per_node),
@@ -198,7 +201,7 @@ def _executor(name: str, address: Optional[str], cells_per_node: Optional[int], 
             raise UsageFailure(f"{', '.join(given)} needs --executor ray")
         from .executors.local import LocalExecutor
 
-        return LocalExecutor(timeout)
+        return LocalExecutor(timeout, preload)
     try:
         from .executors.ray import RayExecutor
     except ImportError as exc:

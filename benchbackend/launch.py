@@ -2,11 +2,11 @@
 
 ``Job`` is the record the parent sends and the worker reads (JSON on stdin), the one description
 of a cell's work. ``python_for`` and ``worker_environ`` say how a backend's worker is started.
-``stream`` spawns ``python -m benchbackend.worker``, sends the job, and yields the worker's
-messages as they arrive (``messages.Info``, ``Peak``, ``Row``; a ``Heartbeat`` every
-``heartbeat_s`` of silence); it returns the ``Outcome`` when the worker ends. It kills the
-worker's process group past ``timeout``, when the consumer stops early (Ctrl-C), and keeps the
-tail of its stderr. It knows nothing about rows' meaning or CSVs: both executors build on it.
+``stream`` spawns ``python -m benchbackend.worker`` (or has a ``preload.Preloaders`` fork one),
+sends the job, and yields the worker's messages as they arrive (``messages.Info``, ``Peak``,
+``Row``; a ``Heartbeat`` every ``heartbeat_s`` of silence); it returns the ``Outcome`` when the
+worker ends. It kills the worker's process group past ``timeout``, when the consumer stops early
+(Ctrl-C), and keeps the tail of its stderr. It knows nothing about rows' meaning or CSVs: both executors build on it.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from .probe import worker_command
 
 if TYPE_CHECKING:
     from .plan import Cell
+    from .preload import Preloaders
     from .workload import Workload
 
 __all__ = ["HEARTBEAT_S", "THREAD_VARS", "Job", "Options", "python_for", "stream", "worker_environ"]
@@ -122,13 +123,24 @@ def tail(text: str, lines: int = 6, chars: int = 600) -> str:
 
 
 def stream(cell: "Cell", python: str, env: Mapping[str, str], job: Job, timeout: Optional[float] = None,
-           heartbeat_s: float = HEARTBEAT_S) -> Generator[Message, None, Outcome]:
-    """Run one worker to its end, yielding its messages; see the module docstring."""
+           heartbeat_s: float = HEARTBEAT_S, preloaders: Optional["Preloaders"] = None,
+           ) -> Generator[Message, None, Outcome]:
+    """Run one worker to its end, yielding its messages; see the module docstring. With
+    ``preloaders``, the worker is forked from a process that has imported the backend already."""
+    env = dict(env, PYTHONUNBUFFERED="1")
     with tempfile.TemporaryFile("w+") as err:
+        proc: Any = None
+        if preloaders is not None:
+            try:
+                proc = preloaders.start(python, env, job.target, err, timeout)
+            except TimeoutError:
+                return Outcome("timeout", f"worker ran past --timeout {timeout:g}s while its backend imported", None)
+            except OSError:
+                pass  # no usable preloader for this interpreter: a fresh one, as --no-preload
         try:
-            proc = subprocess.Popen(worker_command(python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=err, text=True, env=dict(env, PYTHONUNBUFFERED="1"),
-                                    start_new_session=True)
+            if proc is None:
+                proc = subprocess.Popen(worker_command(python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=err, text=True, env=env, start_new_session=True)
         except OSError as exc:
             return Outcome("crashed", f"cannot start worker: {exc}")
         try:
@@ -162,7 +174,7 @@ class _State:
         return Outcome("done", "", 0)
 
 
-def _lines(proc: subprocess.Popen, job: Job) -> "queue.Queue[Optional[str]]":
+def _lines(proc: Any, job: Job) -> "queue.Queue[Optional[str]]":
     """Send the job; a thread puts each stdout line on the queue, then None at the end."""
     assert proc.stdin and proc.stdout
     try:
@@ -182,7 +194,7 @@ def _lines(proc: subprocess.Popen, job: Job) -> "queue.Queue[Optional[str]]":
     return lines
 
 
-def _pump(cell: "Cell", proc: subprocess.Popen, job: Job, timeout: Optional[float],
+def _pump(cell: "Cell", proc: Any, job: Job, timeout: Optional[float],
           heartbeat_s: float) -> Generator[Message, None, _State]:
     lines = _lines(proc, job)
     state = _State()
@@ -230,7 +242,8 @@ def _parse(cell: "Cell", line: str, state: _State) -> Optional[Message]:
     return None
 
 
-def kill(proc: subprocess.Popen) -> None:
+def kill(proc: Any) -> None:
+    """Kill the worker's process group (a ``subprocess.Popen`` or a ``preload.Forked``) and reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

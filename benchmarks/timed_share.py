@@ -4,7 +4,7 @@ Runs ``benchbackend run`` with the arguments given (default: the README's quick 
 each progress line as it arrives, and prints:
 
 - the wall time, the timed seconds (``train_epoch`` and ``inference`` rows of the CSV) and their share;
-- per stage, the mean seconds per cell, from each progress line to the next one of the same cell:
+- per backend and stage, the mean seconds per cell, from each progress line to the next one of the same cell:
   ``start`` (worker process start and framework import, to the version line), ``build`` (data,
   weights, compile), ``peak``, ``parity`` (reference forward, training-mode parity), ``epoch N``
   (timed epoch plus its untimed validation), ``inference`` (the timed passes), ``end`` (the last
@@ -60,7 +60,7 @@ def main(args: list[str]) -> None:
         raise SystemExit(f"run exited {proc.returncode}")
     rows = list(csv.DictReader(csv_path.open()))
     timed = sum(float(r["seconds"]) for r in rows if r["phase"] in ("train_epoch", "inference") and r["seconds"])
-    stages: dict[str, list[float]] = defaultdict(list)
+    stages: dict[tuple[str, str], list[float]] = defaultdict(list)
     last: dict[str, float] = {}
     previous_end = None
     for t, line in lines:
@@ -68,26 +68,28 @@ def main(args: list[str]) -> None:
         if not match:
             continue
         cell, text = match["cell"], match["text"]
+        backend = cell.split("/")[1].split(":")[0]
         name = stage(text)
         if name is None:
             continue
         if name == "between":
             if previous_end is not None:
-                stages["between"].append(t - previous_end)
+                stages[backend, "between"].append(t - previous_end)
             last[cell] = t
             continue
         if cell in last:
-            stages[name].append(t - last[cell])
+            stages[backend, name].append(t - last[cell])
         last[cell] = t
         if name == "end":
             previous_end = t
-    cells = len(stages.get("end", [])) or 1
+    cells = sum(len(v) for (_, name), v in stages.items() if name == "end") or 1
     print(f"command: benchbackend run {' '.join(args)}")
     print(f"wall {wall:.1f} s, timed {timed:.1f} s: {100 * timed / wall:.1f}% timed; {cells} cells, "
           f"{(wall - timed) / cells:.2f} s a cell outside the clock")
-    print(f"{'stage':<10} {'per cell s':>10} {'total s':>8}")
-    for name, values in stages.items():
-        print(f"{name:<10} {sum(values) / cells:>10.2f} {sum(values):>8.1f}")
+    print(f"{'backend':<12} {'stage':<10} {'cells':>5} {'per cell s':>10} {'total s':>8}")
+    for (backend, name), values in sorted(stages.items()):
+        print(f"{backend:<12} {name:<10} {len(values):>5} {sum(values) / len(values):>10.2f} {sum(values):>8.1f}")
+    print(f"outside the cells (the parent's start, summary, plots): {wall - sum(map(sum, stages.values())):.1f} s")
 
 
 if __name__ == "__main__":

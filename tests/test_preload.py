@@ -1,0 +1,119 @@
+"""Workers forked from a preloader (``preload.py``): the backend is imported once per run, each
+repeat is still its own process with its own result, and no preloader outlives its run."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from benchbackend import backends, launch, plan
+from benchbackend import workload as W
+from benchbackend.preload import Preloader, Preloaders
+from conftest import make_job
+
+#: An adapter that logs its module's import (PID per line) and the PID each cell built in.
+PLUGIN = '''
+import os
+from benchbackend.backends.reference import NumpyBackend
+
+LOG = os.environ["PRELOAD_TEST_LOG"]
+with open(LOG, "a") as f:
+    f.write(f"import {os.getpid()}\\n")
+
+
+class Logged(NumpyBackend):
+    def build(self, weights):
+        with open(LOG, "a") as f:
+            f.write(f"build {os.getpid()}\\n")
+        return super().build(weights)
+'''
+
+
+def _run_repeats(tmp_path: Path, preloaders: Preloaders | None, repeats: int = 2) -> list[tuple[str, int]]:
+    (tmp_path / "preload_plugin.py").write_text(PLUGIN)
+    log = tmp_path / "log.txt"
+    w = W.load("mnist").with_overrides(limit=64, epochs=1)
+    spec = backends.get("numpy")
+    env = launch.worker_environ(spec)
+    env.update(PRELOAD_TEST_LOG=str(log), PYTHONPATH=os.pathsep.join([str(tmp_path), env["PYTHONPATH"]]))
+    for repeat in range(1, repeats + 1):
+        job = make_job(tmp_path, w, "numpy", target="preload_plugin:Logged", repeat=repeat)
+        cell = plan.Cell(w, plan.Choice("numpy", job.mode, job.precision), repeat, 1, 0)
+        messages = launch.stream(cell, launch.python_for(spec), env, job, 120, preloaders=preloaders)
+        rows = []
+        while True:
+            try:
+                rows.append(next(messages))
+            except StopIteration as stop:
+                assert stop.value.status == "done", stop.value
+                break
+        assert any(getattr(m, "fields", {}).get("phase") == "inference" for m in rows)
+    return [(kind, int(pid)) for kind, pid in (line.split() for line in log.read_text().splitlines())]
+
+
+def test_preloaded_workers_import_once_and_each_repeat_is_its_own_process(tmp_path: Path) -> None:
+    with Preloaders() as preloaders:
+        log = _run_repeats(tmp_path, preloaders, repeats=3)
+    imports = [pid for kind, pid in log if kind == "import"]
+    builds = [pid for kind, pid in log if kind == "build"]
+    assert len(imports) == 1, "the adapter (and so the framework) imported once, in the preloader"
+    assert len(builds) == 3 and len(set(builds)) == 3, "a new process per repeat"
+    assert imports[0] not in builds and os.getpid() not in builds
+
+
+def test_without_preload_every_repeat_imports_in_its_own_interpreter(tmp_path: Path) -> None:
+    log = _run_repeats(tmp_path, None)
+    imports = [pid for kind, pid in log if kind == "import"]
+    assert imports == [pid for kind, pid in log if kind == "build"] and len(set(imports)) == 2
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_preloaders_are_killed_when_the_run_ends(tmp_path: Path) -> None:
+    with Preloaders() as preloaders:
+        _run_repeats(tmp_path, preloaders, repeats=1)
+        (server,) = preloaders._servers.values()
+        pid = server.proc.pid
+        assert server.alive()
+    assert server.proc.returncode is not None and _gone(pid)
+
+
+def test_a_preloader_exits_when_its_parent_goes(tmp_path: Path) -> None:
+    # The parent's end of the socket closes when the parent dies, even by SIGKILL.
+    server = Preloader(launch.python_for(backends.get("numpy")), launch.worker_environ(backends.get("numpy")),
+                       "benchbackend.backends.reference:NumpyBackend")
+    server.sock.close()
+    assert server.proc.wait(timeout=30) == 0
+
+
+def test_a_worker_that_hangs_is_killed_at_the_timeout(tmp_path: Path) -> None:
+    # A hung cell: the forked worker's process group is killed, the preloader serves the next one.
+    slow = tmp_path / "slow_plugin.py"
+    slow.write_text("import time\nfrom benchbackend.backends.reference import NumpyBackend\n\n\n"
+                    "class Hang(NumpyBackend):\n    def build(self, weights):\n        time.sleep(600)\n")
+    w = W.load("mnist").with_overrides(limit=64, epochs=1)
+    spec = backends.get("numpy")
+    env = launch.worker_environ(spec)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    job = make_job(tmp_path, w, "numpy", target="slow_plugin:Hang")
+    cell = plan.Cell(w, plan.Choice("numpy", job.mode, job.precision), 1, 1, 0)
+    with Preloaders() as preloaders:
+        started = time.monotonic()
+        messages = launch.stream(cell, launch.python_for(spec), env, job, 3.0, preloaders=preloaders)
+        with pytest.raises(StopIteration) as stop:
+            while True:
+                next(messages)
+        assert stop.value.value.status == "timeout" and time.monotonic() - started < 60
+        (server,) = preloaders._servers.values()
+        assert server.alive(), "the preloader survives its worker's kill"
