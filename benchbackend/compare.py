@@ -26,6 +26,7 @@ from __future__ import annotations
 import glob
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
@@ -59,13 +60,27 @@ class CompareOutcome:
     text: str
     warnings: list[str]
     exit_code: int
-    #: The rows compared (for ``report.write_report``) and the terminal table of them.
+    #: The rows compared (for ``report.write_report``).
     frame: Optional[pd.DataFrame] = None
-    table_text: str = ""
-    #: The terminal table without its verdict lines, and those lines (``run`` prints its
-    #: warnings between the two, so that its last word is the verdict).
-    body: str = ""
-    verdict: str = ""
+    #: The ranked groups and the metric, from which the other renderings are drawn when asked.
+    groups: Optional[pd.DataFrame] = None
+    metric: str = "epoch-time"
+    fmt: str = "table"
+
+    @cached_property
+    def table_text(self) -> str:
+        """The terminal table (what ``--format table`` prints)."""
+        return self.text if self.fmt == "table" else tables.render(self.groups, "table", self.warnings, self.metric)
+
+    @cached_property
+    def body(self) -> str:
+        """The terminal table without its verdict lines (``run`` prints its warnings between the
+        two, so that its last word is the verdict)."""
+        return tables.render(self.groups, "table", self.warnings, self.metric, verdicts=False)
+
+    @cached_property
+    def verdict(self) -> str:
+        return tables.verdict_lines(self.groups, self.metric)
 
 
 def _expand(paths: list[str]) -> list[str]:
@@ -246,15 +261,17 @@ def stability_warnings(groups: pd.DataFrame, metric: str = "epoch-time") -> list
     return out
 
 
-def _values_by_source(frame: pd.DataFrame, col: str) -> str:
+def _values_by_source(values: dict[str, set[str]]) -> str:
+    """``'a' (x.csv); 'b' (y.csv, z.csv)``: each value with the files it came from (3 at most)."""
     parts = []
-    for value, sub in frame.groupby(col, sort=True):
-        files = sorted({Path(s).name for s in sub["source"]})
+    for value in sorted(values):
+        files = sorted({Path(s).name for s in values[value]})
         parts.append(f"{value!r} ({', '.join(files[:3])}{', ...' if len(files) > 3 else ''})")
     return "; ".join(parts)
 
 
-def _env_frame(df: pd.DataFrame) -> pd.DataFrame:
+def _env_rows(df: pd.DataFrame) -> list[dict[str, str]]:
+    """The distinct (group, workload, environment, source) rows, as text ("" where not recorded)."""
     cols = list(dict.fromkeys(GROUP_KEYS + ["workload", "workload_hash", "data_source", *CONTEXT_ENV,
                                             *BACKEND_ENV, "source"]))
     env = df[[c for c in cols if c in df.columns]].drop_duplicates()
@@ -263,39 +280,38 @@ def _env_frame(df: pd.DataFrame) -> pd.DataFrame:
             env[c] = ""
     threads = pd.to_numeric(env["threads"], errors="coerce")
     env["threads"] = threads.map(lambda v: "" if pd.isna(v) else f"{v:g}")
-    return env.astype(str).drop_duplicates()
+    return env.astype(str).drop_duplicates().to_dict("records")
+
+
+def _differing(rows: list[dict[str, str]], keys: list[str], col: str) -> list[tuple[tuple, dict[str, set[str]]]]:
+    """(key, {value: sources}) of each ``keys`` whose rows hold several non-empty ``col`` values, in key order."""
+    seen: dict[tuple, dict[str, set[str]]] = {}
+    for row in rows:
+        if row[col]:
+            seen.setdefault(tuple(row[k] for k in keys), {}).setdefault(row[col], set()).add(row["source"])
+    return [(key, values) for key, values in sorted(seen.items()) if len(values) > 1]
 
 
 def environment_warnings(df: pd.DataFrame) -> list[str]:
     """Rows from different environments compared with each other (host, CPU, threads, versions);
-    one group's repeats from different hosts; one workload name with several definitions."""
-    env = _env_frame(df)
+    one group's repeats from different hosts; one workload name with several definitions. Over the
+    distinct rows only (a few per repeat), in plain Python: pandas' per-call cost dominated here."""
+    rows = _env_rows(df)
     out = []
     checks = [(c, CONTEXT_KEYS) for c in CONTEXT_ENV] + [(c, CONTEXT_KEYS + ["backend"]) for c in BACKEND_ENV]
     for col, keys in checks:
-        known = env[env[col] != ""]
-        counts = known.groupby(keys, sort=True)[col].nunique()
-        for key in counts.index[counts > 1]:
-            key = key if isinstance(key, tuple) else (key,)
-            sub = known[(known[keys] == pd.Series(key, index=keys)).all(axis=1)]
-            what = "thread counts" if col == "threads" else "environments"
+        what = "thread counts" if col == "threads" else "environments"
+        for key, values in _differing(rows, keys, col):
             out.append(f"{'/'.join(key)}: rows from different {what} are compared "
-                       f"({col} differs): {_values_by_source(sub, col)}")
-    known = env[env["host"] != ""]
-    hosts = known.groupby(GROUP_KEYS, sort=True)["host"].nunique()
-    named = experiments.labels(GroupKey.of(k) for k in env[GROUP_KEYS].drop_duplicates().itertuples(index=False))
-    for key in hosts.index[hosts > 1]:
-        sub = known[(known[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
+                       f"({col} differs): {_values_by_source(values)}")
+    named = experiments.labels(GroupKey.of(k) for k in dict.fromkeys(tuple(r[k] for k in GROUP_KEYS) for r in rows))
+    for key, values in _differing(rows, GROUP_KEYS, "host"):
         group = GroupKey.of(key)
         out.append(f"{group.experiment}/{group.device}/{named[group]}: its repeats ran on different hosts, "
-                   "so its timings mix machines: "
-                   + _values_by_source(sub, "host"))
-    defs = env[["workload", "experiment", "source"]].drop_duplicates()
-    for workload, sub in defs.groupby("workload", sort=True):
-        if sub["experiment"].nunique() > 1:
-            out.append(f"workload {workload!r} has {sub['experiment'].nunique()} different definitions in these "
-                       "files; each is compared on its own, with no ratio between them: "
-                       + _values_by_source(sub, "experiment"))
+                   "so its timings mix machines: " + _values_by_source(values))
+    for (workload,), values in _differing(rows, ["workload"], "experiment"):
+        out.append(f"workload {workload!r} has {len(values)} different definitions in these "
+                   "files; each is compared on its own, with no ratio between them: " + _values_by_source(values))
     return out
 
 
@@ -416,10 +432,8 @@ def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate
     groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []),
                                       metric)
     text = tables.render(groups, fmt, warnings, metric)
-    return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df,
-                          table_text=text if fmt == "table" else tables.render(groups, "table", warnings, metric),
-                          body=tables.render(groups, "table", warnings, metric, verdicts=False),
-                          verdict=tables.verdict_lines(groups, metric))
+    return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df, groups=groups, metric=metric,
+                          fmt=fmt)
 
 
 def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tuple[str, ...] = (),

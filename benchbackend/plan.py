@@ -1,8 +1,9 @@
 """The matrix: workload x backend x mode x precision x repeat, expanded into cells in run order.
 
-``resolve`` turns the command line's ``-b``, ``--mode`` and ``--precision`` into one list of
-(backend, mode, precision) choices, validated against the registry; ``cells`` expands a plan
-into its cells, in the order they run. Nothing here starts a process or imports a framework.
+``load_workloads`` reads the workloads named, with the command line's overrides; ``resolve``
+turns the command line's ``-b``, ``--mode`` and ``--precision`` into one list of (backend, mode,
+precision) choices, validated against the registry; ``cells`` expands a plan into its cells, in
+the order they run. Nothing here starts a process or imports a framework.
 
 Order: by default repeats are interleaved within each workload (a comparison group): repeat r of
 every backend, mode and precision runs before repeat r+1 of any (A B A B), so drift of the machine
@@ -16,8 +17,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from . import backends
-from .errors import BackendUnavailable
-from .workload import Workload
+from .errors import BackendUnavailable, WorkloadError
+from .workload import Workload, load
 
 ORDERS = ("interleaved", "sequential")
 
@@ -119,6 +120,21 @@ def cells(plan: RunPlan) -> list[Cell]:
 def _split(item: str) -> tuple[Optional[str], str]:
     backend, sep, rest = item.partition(":")
     return (backend, rest) if sep and backend in backends.BACKENDS else (None, item)
+
+
+def load_workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], **overrides: Optional[int]) -> list[Workload]:
+    """The workloads named, with the command line's overrides, one per batch size of a sweep;
+    a network that does not fit its input is a ``WorkloadError`` naming the layer."""
+    from .model import describe
+
+    loaded = [load(w).with_overrides(batch_size=b, **overrides)
+              for w in names for b in (list(dict.fromkeys(batch_sizes)) or [None])]
+    for w in loaded:
+        try:
+            describe(w)
+        except ValueError as exc:
+            raise WorkloadError(f"{w.name}: {exc}") from None
+    return loaded
 
 
 def resolve(names: list[str], modes: list[str], precisions: list[str], device: str = "cpu") -> list[Choice]:

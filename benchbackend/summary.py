@@ -204,8 +204,9 @@ def _group_info(df: pd.DataFrame, reps: pd.DataFrame) -> pd.DataFrame:
 
 
 def _intervals(timed: pd.DataFrame, col: str, index: pd.Index) -> pd.DataFrame:
-    rows = {key: median_interval(g.to_numpy()) for key, g in timed[col].groupby(
-        level=list(range(len(GROUP_KEYS))), sort=False)}
+    values = timed[col].to_numpy()
+    where = timed[col].groupby(level=list(range(len(GROUP_KEYS))), sort=False).indices
+    rows = {key: median_interval(values[at]) for key, at in where.items()}
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=["low", "high", "kind"])
     if len(frame):
         frame.index = pd.MultiIndex.from_tuples(frame.index, names=GROUP_KEYS)

@@ -527,6 +527,28 @@ def test_cli_exit_codes(two_x: Path, tmp_path: Path) -> None:
     assert "no measurements" in empty.output
 
 
+def test_the_console_command_skips_teardown_but_keeps_its_output_and_exit_code(two_x: Path) -> None:
+    """``entry()`` ends compare with os._exit (no interpreter teardown): stdout and stderr are
+    flushed first, and the exit code is the command's."""
+    from click.testing import CliRunner
+
+    from benchbackend.cli import main
+
+    args = ["compare", str(two_x), "--baseline", "torch", "--candidate", "tensorflow", "--fail-on-regression", "1.5"]
+    same = CliRunner().invoke(main, args)
+    done = subprocess.run([sys.executable, "-m", "benchbackend", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == same.exit_code == 3
+    assert done.stdout == same.stdout and "vs torch" in done.stdout
+    assert "regression: mnist/cpu/tensorflow" in done.stderr and done.stderr == same.stderr
+    # no teardown: an exit handler never runs (it does after any other command)
+    probe = ("import atexit, sys\nfrom benchbackend.cli import entry\n"
+             "atexit.register(lambda: print('torn down'))\nsys.argv = ['benchbackend', *sys.argv[1:]]\nentry()\n")
+    for cmd, torn in ((args, False), (["list", "--no-probe"], True)):
+        ran = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert ("torn down" in ran.stdout) == torn, (cmd, ran.stdout[-200:])
+
+
 MIXED = [ROOT / "tests" / "data" / "numpy-limit-1024.csv", ROOT / "tests" / "data" / "numpy-limit-2000.csv"]
 
 
