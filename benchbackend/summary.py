@@ -65,15 +65,13 @@ def is_ok(status: str) -> bool:
     return status == STATUSES[0]
 
 
-def repeat_status(df: pd.DataFrame) -> pd.Series:
-    """The worst status of each repeat's rows (index GROUP_KEYS + REPEAT_KEYS)."""
-    keys = GROUP_KEYS + REPEAT_KEYS
+def repeat_status(df: pd.DataFrame, by: Any) -> pd.Series:
+    """The worst status of each repeat's rows, grouped ``by`` (a column name or an array)."""
     known = {s: i for i, s in enumerate(STATUSES)}
     codes, uniques = pd.factorize(df["status"])
     # Rank each distinct status once ("" as ok; an unknown one worst of all), take the worst per repeat.
     ranks = np.array([known.get(u, len(STATUSES)) if u else 0 for u in uniques], dtype=int)
-    worst = pd.Series(ranks[codes], index=df.index).groupby([df[k] for k in keys], sort=True,
-                                                            dropna=False).max()
+    worst = pd.Series(ranks[codes], index=df.index).groupby(df[by] if isinstance(by, str) else by).max()
     by_rank = dict(enumerate(STATUSES))
     by_rank[len(STATUSES)] = next((u for u in uniques if u and u not in known), "unknown")
     return worst.map(by_rank).rename("status")
@@ -104,31 +102,34 @@ def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
     first; the only pass when there is one), and tta_s (time to accuracy: ``inf`` when the target
     was not reached, NaN when the workload declared none)."""
     keys = GROUP_KEYS + REPEAT_KEYS
-    df = df.assign(**{c: _column(df, c) for c in _RATE_COLUMNS + ("time_to_accuracy_s",)})
+    # One integer per repeat, in key order: every reduction below groups by it, not by seven columns.
+    repeats = df.groupby(keys, sort=True, dropna=False)
+    df = df.assign(_repeat=repeats.ngroup(), **{c: _column(df, c) for c in _RATE_COLUMNS + ("time_to_accuracy_s",)})
     phase = df["phase"]
-    train = df.loc[phase == "train_epoch", keys + ["epoch", "seconds", "samples_per_s", "val_accuracy",
-                                                   *_RATE_COLUMNS]]
+    train = df.loc[phase == "train_epoch", ["_repeat", "epoch", "seconds", "samples_per_s", "val_accuracy",
+                                            *_RATE_COLUMNS]]
     later = train["epoch"] >= 2
     rates = {c: (c, "median") for c in ("samples_per_s",) + _RATE_COLUMNS}
-    steady = train[later].groupby(keys, sort=False, dropna=False).agg(steady_s=("seconds", "median"), **rates)
-    first = train[train["epoch"] == 1].groupby(keys, sort=False, dropna=False).agg(
+    steady = train[later].groupby("_repeat").agg(steady_s=("seconds", "median"), **rates)
+    first = train[train["epoch"] == 1].groupby("_repeat").agg(
         first_s=("seconds", "median"), **{f"first_{c}": spec for c, spec in rates.items()})
-    last = train.sort_values("epoch", kind="stable").groupby(keys, sort=False, dropna=False)["val_accuracy"].last()
-    inf = df.loc[phase == "inference", keys + ["pass", "seconds"]]
+    last = train.sort_values("epoch", kind="stable").groupby("_repeat")["val_accuracy"].last()
+    inf = df.loc[phase == "inference", ["_repeat", "pass", "seconds"]]
     passes = steady_inference(df)
     passes = passes.assign(sps=passes["samples"] / passes["seconds"])
-    infer = passes.groupby(keys, sort=False, dropna=False)[["seconds", "sps", *_RATE_COLUMNS]].median()
+    infer = passes.groupby("_repeat")[["seconds", "sps", *_RATE_COLUMNS]].median()
     infer.columns = ["infer_s", "infer_sps"] + [f"infer_{c}" for c in _RATE_COLUMNS]
-    infer_first = inf[inf["pass"] == 1].groupby(keys, sort=False, dropna=False)["seconds"].median()
+    infer_first = inf[inf["pass"] == 1].groupby("_repeat")["seconds"].median()
     # A cell-level value on every row of the repeat: the largest is the one (inf: not reached).
-    tta = df.groupby(keys, sort=False, dropna=False)["time_to_accuracy_s"].max().rename("tta_s")
-    status = repeat_status(df)
+    tta = df.groupby("_repeat")["time_to_accuracy_s"].max().rename("tta_s")
+    status = repeat_status(df, "_repeat")
     out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer, tta], axis=1)
+    out = out.reindex(range(repeats.ngroups))
+    out.index = repeats.size().index
     out["status"] = out["status"].fillna("ok")
     # With a single epoch there is no steady state; its throughput is all there is.
     for c in rates:
         out[c] = out[c].fillna(out.pop(f"first_{c}"))
-    out = out.sort_index()
     out["timed"] = timed_repeats(out["status"])
     return out
 
