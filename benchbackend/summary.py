@@ -65,13 +65,13 @@ def is_ok(status: str) -> bool:
     return status == STATUSES[0]
 
 
-def repeat_status(df: pd.DataFrame, by: Any) -> pd.Series:
-    """The worst status of each repeat's rows, grouped ``by`` (a column name or an array)."""
+def repeat_status(df: pd.DataFrame, by: str) -> pd.Series:
+    """The worst status of each repeat's rows, ``by`` naming the column that tells repeats apart."""
     known = {s: i for i, s in enumerate(STATUSES)}
     codes, uniques = pd.factorize(df["status"])
     # Rank each distinct status once ("" as ok; an unknown one worst of all), take the worst per repeat.
     ranks = np.array([known.get(u, len(STATUSES)) if u else 0 for u in uniques], dtype=int)
-    worst = pd.Series(ranks[codes], index=df.index).groupby(df[by] if isinstance(by, str) else by).max()
+    worst = pd.Series(ranks[codes], index=df.index).groupby(df[by]).max()
     by_rank = dict(enumerate(STATUSES))
     by_rank[len(STATUSES)] = next((u for u in uniques if u and u not in known), "unknown")
     return worst.map(by_rank).rename("status")
