@@ -10,7 +10,8 @@ only: no graph, no kernel, no thread pool of the framework's), the job on its ow
 protocol on its own stdout, exactly as ``python -m benchbackend.worker``.
 
 Protocol, over a Unix socket pair: the parent sends ``run`` with the worker's stdin, stdout and
-stderr descriptors; the preloader forks, answers ``pid N``, waits for the worker, and answers
+stderr descriptors; the preloader forks, answers ``pid N`` once the worker leads its own process
+group (so that the parent's kill of that group always reaches it), waits for the worker, and answers
 ``exit N CODE``. One worker at a time per preloader. The preloader exits when the parent's end
 closes (the parent ended, even by SIGKILL).
 
@@ -160,22 +161,31 @@ def serve(sock: socket.socket) -> None:
             return
         if not message:
             return
+        ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _worker(sock, fds)
+            os.close(ready_r)
+            _worker(sock, fds, ready_w)
+        os.close(ready_w)
         for fd in fds:
             os.close(fd)
+        # The PID goes out only once the worker leads its own process group (or died trying): a
+        # parent that kills it at once (Ctrl-C) must find the group, or it waits for its exit forever.
+        os.read(ready_r, 1)
+        os.close(ready_r)
         sock.sendall(f"pid {pid}\n".encode())
         _, status = os.waitpid(pid, 0)
         sock.sendall(f"exit {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
 
 
-def _worker(sock: socket.socket, fds: list[int]) -> None:
-    """In the forked child: become ``python -m benchbackend.worker`` on the given descriptors."""
+def _worker(sock: socket.socket, fds: list[int], ready: int) -> None:
+    """In the forked child: become ``python -m benchbackend.worker`` on the given descriptors;
+    ``ready`` is closed once it leads its own session and process group."""
     code = 1
     try:
         sock.close()
         os.setsid()  # its own process group, which the parent kills on timeout or Ctrl-C
+        os.close(ready)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)

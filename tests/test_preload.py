@@ -117,3 +117,40 @@ def test_a_worker_that_hangs_is_killed_at_the_timeout(tmp_path: Path) -> None:
         assert stop.value.value.status == "timeout" and time.monotonic() - started < 60
         (server,) = preloaders._servers.values()
         assert server.alive(), "the preloader survives its worker's kill"
+
+
+def test_a_worker_killed_the_moment_it_is_forked_is_gone_and_reaped(tmp_path: Path) -> None:
+    """Ctrl-C right after the fork: the parent kills the worker's process group before the worker
+    has read its job. The preloader must answer the PID only once the worker leads its own group:
+    a kill that came first found no such group, and the parent then waited for an exit that never
+    came. The race is forced: the preloader and its forks share one core with a busy loop, so the
+    fresh child waits for the core while the parent, on the other core, kills at once."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+
+    if len(os.sched_getaffinity(0)) < 2 or not shutil.which("taskset"):
+        pytest.skip("forcing the race needs two cores and taskset (util-linux)")
+    cores = sorted(os.sched_getaffinity(0))
+    python = tmp_path / "python"  # the preloader, pinned to the busy core
+    python.write_text(f"#!/bin/sh\nexec taskset -c {cores[0]} {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    spec = backends.get("numpy")
+    busy = subprocess.Popen(["taskset", "-c", str(cores[0]), sys.executable, "-c", "while True: pass"])
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cores[1]})
+    try:
+        with Preloaders() as preloaders, tempfile.TemporaryFile("w+") as err:
+            for _ in range(5):
+                forked = preloaders.start(str(python), launch.worker_environ(spec), spec.target, err, 60)
+                done = threading.Thread(target=launch.kill, args=(forked,), daemon=True)
+                done.start()
+                done.join(20)
+                assert not done.is_alive(), "the killed worker was never reaped"
+                assert forked.returncode == -9
+    finally:
+        os.sched_setaffinity(0, mine)
+        busy.kill()
+        busy.wait()
