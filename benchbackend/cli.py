@@ -108,6 +108,9 @@ def main() -> None:
               help="CSV to write. Default: results/<timestamp>-<workloads>.csv. An existing file is kept: "
                    "the run writes beside it (NAME-2.csv, ...) unless --force.")
 @click.option("--force", is_flag=True, help="Overwrite an existing -o file (and its plots folder).")
+@click.option("--resume", "resume_from", type=click.Path(dir_okay=False, path_type=Path), metavar="CSV",
+              help="Finish an interrupted run: give its arguments again; only the cells CSV holds no final status "
+                   "for (interrupted, pending, not started) run, and their rows are appended to CSV.")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write plots next to the CSV.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display (the summary and verdict still print).")
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
@@ -115,7 +118,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int],
         inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
         executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
-        parity_steps: int, order: str, output: Optional[Path], force: bool, plots: bool, quiet: bool) -> None:
+        parity_steps: int, order: str, output: Optional[Path], force: bool, resume_from: Optional[Path], plots: bool,
+        quiet: bool) -> None:
     """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend, mode and precision.
 
     \b
@@ -126,9 +130,11 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run cifar10 -b torch -b tensorflow --batch-size 32 --batch-size 128
       benchbackend run mnist -b torch -b numpy --executor ray --address head:6379
       benchbackend run path/to/my_workload.yaml -b tensorflow
+      benchbackend run mnist -b torch -b tensorflow --repeats 5 --resume results/interrupted.csv
     """
-    from . import outputs, progress, results, runner
+    from . import executors, outputs, progress, results, runner
     from . import plan as planning
+    from . import resume as resuming
 
     try:
         loaded = planning.load_workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed)
@@ -139,11 +145,19 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
             registry.require_any(names)  # a cluster's nodes may have what this machine lacks
     except (WorkloadError, BackendUnavailable) as exc:
         raise UsageFailure(str(exc)) from None
+    previous = None
     try:
-        where = outputs.choose(output, results.default_path([w.name for w in loaded]), force=force, plots=plots)
+        if resume_from is None:
+            where = outputs.choose(output, results.default_path([w.name for w in loaded]), force=force, plots=plots)
+        elif output is not None or force:
+            raise OutputError("--resume CSV appends to CSV: leave out -o and --force")
+        else:
+            previous = resuming.read(resume_from)
+            resuming.check_definitions(previous, loaded)
+            where = outputs.Outputs(resume_from, outputs.plots_folder(resume_from) if plots else None)
         for warning in planning.size_warnings(loaded, limit, inference_only):
             _err(f"warning: {warning}")
-    except (OutputError, WorkloadError) as exc:
+    except (OutputError, WorkloadError, ResultsError) as exc:
         raise UsageFailure(str(exc)) from None
     if where.note:
         _err(f"note: {where.note}")
@@ -157,13 +171,16 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
                             inference_only=inference_only, options=options, order=order)
-    executor = _executor(executor_name, address, cells_per_node, allow_mixed_hosts, timeout, preload)
-    r = runner.Runner(plan, executor, writer, progress.display(quiet))
+    try:
+        executor = executors.make(executor_name, address, cells_per_node, allow_mixed_hosts, timeout, preload)
+    except ClusterError as exc:
+        raise UsageFailure(str(exc)) from None
+    r = runner.Runner(plan, executor, writer, progress.display(quiet), previous)
     try:
         with runner.sigterm_interrupts():
             cells = r.run()
     except KeyboardInterrupt as exc:
-        _err(f"interrupted: {writer.rows} rows written to {out}")
+        _err(f"interrupted: {writer.rows} rows written to {out}; the same command with --resume {out} runs the rest")
         _summary(r.results, out if writer.rows else None, plots)
         sys.exit(143 if isinstance(exc, runner.Terminated) else 130)
     except DataError as exc:
@@ -172,31 +189,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
             _err(f"{writer.rows} rows written to {out}")
         sys.exit(2)
     _summary(cells, out if writer.rows else None, plots)
-    sys.exit(0 if cells and all(c.status == "ok" for c in cells) else 1)
-
-
-def _executor(name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
-              timeout: Optional[float], preload: bool = True):
-    """The executor --executor names; a Ray cluster is joined (or started) here, before data is prepared."""
-    if name == "local":
-        given = [f for f, v in (("--address", address), ("--cells-per-node", cells_per_node),
-                                ("--allow-mixed-hosts", allow_mixed_hosts)) if v]
-        if given:
-            raise UsageFailure(f"{', '.join(given)} needs --executor ray")
-        from .executors.local import LocalExecutor
-
-        return LocalExecutor(timeout, preload)
-    try:
-        from .executors.ray import RayExecutor
-    except ImportError as exc:
-        raise UsageFailure(f"--executor ray needs Ray ({exc}): pip install 'benchbackend[ray]'") from None
-    executor = RayExecutor(address=address, cells_per_node=cells_per_node, allow_mixed_hosts=allow_mixed_hosts,
-                           timeout=timeout)
-    try:
-        executor.connect()
-    except ClusterError as exc:
-        raise UsageFailure(str(exc)) from None
-    return executor
+    statuses = [c.status for c in cells] + r.resumed  # a resumed run answers for the cells that had finished too
+    sys.exit(0 if statuses and all(s == "ok" for s in statuses) else 1)
 
 
 def _summary(cells: list, out: Optional[Path], plots: bool) -> None:

@@ -27,7 +27,8 @@ class EnvError(BenchError):
 
 
 class ClusterError(BenchError):
-    """The Ray cluster cannot be reached or joined (usage error, exit 2)."""
+    """Cluster options without ``--executor ray``, or a Ray cluster that cannot be reached or joined
+    (usage error, exit 2)."""
 
 
 class OutputError(BenchError):

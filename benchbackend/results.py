@@ -12,7 +12,7 @@ import platform
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from .errors import ResultsError
 
@@ -152,6 +152,10 @@ class CsvWriter:
             out.writerow([_cell(full[c]) for c in COLUMNS])
         self.rows += 1
 
+    def adopt(self, rows: int) -> None:
+        """Go on appending to this existing file of ``rows`` rows, under its header (``run --resume``)."""
+        self.rows = rows
+
     def end_cell(self, row: Mapping[str, Any], status: str) -> None:
         """Append the cell's ``run`` row (``row`` holds its key columns and any cell-level values):
         its final status, which the reader and ``close`` give every other row of the cell."""
@@ -186,23 +190,37 @@ def finalize(path: Path) -> None:
     """Give every row of an ended cell its cell's final status and cell-level values; rewrite
     ``path`` atomically, one pass to read the cells' ``run`` rows and one to copy the rows."""
     final = _cell_values(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".csv")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # as an ordinary new file, not mkstemp's 0600
-    with os.fdopen(fd, "w", newline="") as out, open(path, newline="") as src:
-        reader = csv.reader(src)
-        header = next(reader)
+
+    def rows(header: list[str], reader: Iterator[list[str]]) -> Iterator[list[str]]:
         index = {c: i for i, c in enumerate(header)}
         run_id, order = index["run_id"], index.get("cell_order")
-        writer = csv.writer(out)
-        writer.writerow(header)
         for row in reader:
             if order is not None:
                 for col, value in final.get((row[run_id], row[order]), {}).items():
                     row[index[col]] = value
+            yield row
+
+    rewrite(path, rows)
+
+
+def rewrite(path: Path, rows: Callable[[list[str], Iterator[list[str]]], Iterable[list[str]]]) -> int:
+    """Rewrite the CSV ``path`` atomically: its header, then ``rows(header, its rows)``. Returns
+    how many rows were written."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".csv")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # as an ordinary new file, not mkstemp's 0600
+    written = 0
+    with os.fdopen(fd, "w", newline="") as out, open(path, newline="") as src:
+        reader = csv.reader(src)
+        header = next(reader)
+        writer = csv.writer(out)
+        writer.writerow(header)
+        for row in rows(header, reader):
             writer.writerow(row)
+            written += 1
     os.replace(tmp, path)
+    return written
 
 
 def read(path: str | Path) -> "Any":

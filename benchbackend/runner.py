@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Sequence
 
-from . import backends, checks, data, model, peaks, progress, results
+from . import backends, checks, data, model, peaks, progress, results, resume
 from .backends.spec import BackendSpec
 from .launch import Job
 from .messages import Ended, Heartbeat, Info, Message, Outcome, Peak, Row, Started
@@ -112,8 +112,12 @@ class Runner:
     """Runs a :class:`RunPlan` through ``executor``, writing rows with ``writer`` and telling ``display``."""
 
     def __init__(self, plan: RunPlan, executor: Executor, writer: results.CsvWriter,
-                 display: Optional[progress.Display] = None):
+                 display: Optional[progress.Display] = None, previous: Optional[resume.Previous] = None):
         self.plan, self.executor, self.writer = plan, executor, writer
+        #: ``run --resume``: the file's finished cells are not run again (``writer`` appends to that file);
+        #: ``resumed`` holds the statuses of the plan's cells that had finished.
+        self.previous = previous
+        self.resumed: list[str] = []
         self.display = display or progress.Display()
         self.run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self.env = results.environment()
@@ -127,6 +131,8 @@ class Runner:
             # All data first: a missing file fails the run before anything is measured.
             arrays = {w.hash(): self._prepare(w, Path(tmp)) for w in self.plan.workloads}
             tasks, refused = self._tasks(arrays)
+            if self.previous is not None:
+                self._resume(tasks, refused)
             self.display.begin(len(tasks) + len(refused))
             try:
                 for message in [m for cell, why in refused for m in self._refusal(cell, why)]:
@@ -163,6 +169,9 @@ class Runner:
         """The cells to run, and the groups that cannot run here (their first cell, and why)."""
         tasks, refused, seen = [], [], set()
         for cell in cells(self.plan):
+            if self.previous is not None and self._key(cell) in self.previous.finished:
+                self.resumed.append(self.previous.finished[self._key(cell)])
+                continue
             spec = backends.get(cell.choice.backend)
             # On a cluster, whether a node has the backend shows in its worker's own `unavailable` row.
             why = cell.choice.problem or ("" if self.executor.remote else backends.problem(spec))
@@ -178,6 +187,23 @@ class Runner:
             tasks.append(Task(cell, job, spec))
             self.waiting[cell.group] = self.waiting.get(cell.group, 0) + 1
         return tasks, refused
+
+    def _key(self, cell: Cell) -> resume.CellKey:
+        c, w = cell.choice, cell.workload
+        return resume.CellKey(w.hash(), self.sources[w.hash()], c.backend, c.mode, c.precision, self.plan.device,
+                              self._inference_only(c.backend), cell.repeat)
+
+    def _inference_only(self, backend: str) -> bool:
+        return self.plan.inference_only or not backends.get(backend).trains
+
+    def _resume(self, tasks: list[Task], refused: list[tuple[Cell, str]]) -> None:
+        """Drop from the resumed file the rows of the unfinished cells about to run again; append after the rest."""
+        assert self.previous is not None
+        again = {self._key(t.cell) for t in tasks} | {self._key(cell) for cell, _ in refused}
+        self.writer.adopt(resume.prune(self.writer.path, again))
+        planned = len(cells(self.plan))
+        rest = "nothing left to run" if len(self.resumed) == planned else "running the rest"
+        self.display.note(f"resuming {self.writer.path}: {len(self.resumed)} of {planned} cells had finished; {rest}")
 
     @staticmethod
     def _refusal(cell: Cell, why: str) -> list[Message]:
@@ -216,7 +242,7 @@ class Runner:
                 "repeat": cell.repeat, **self.env, **message.environment,
                 "flops_per_sample": model.flops_per_sample(w), "params": model.param_count(w),
                 "requested_device": self.plan.device, "data_source": source,
-                "inference_only": self.plan.inference_only or not backends.get(c.backend).trains,
+                "inference_only": self._inference_only(c.backend),
                 "definition": definition(w, source), "limit": w.data.train, "epochs": w.training.epochs,
                 "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device), base)

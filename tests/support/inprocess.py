@@ -47,6 +47,6 @@ class InProcessExecutor:
 
 def use(monkeypatch) -> None:
     """Make ``benchbackend run`` (through click's CliRunner) run its cells in this process."""
-    from benchbackend import cli
+    from benchbackend import executors
 
-    monkeypatch.setattr(cli, "_executor", lambda *args, **kwargs: InProcessExecutor())
+    monkeypatch.setattr(executors, "make", lambda *args, **kwargs: InProcessExecutor())
