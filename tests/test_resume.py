@@ -23,8 +23,10 @@ def _cells(path: Path) -> pd.DataFrame:
 
 def test_an_interrupted_run_resumes_to_one_complete_file_without_duplicates(tmp_path: Path) -> None:
     out = tmp_path / "r.csv"
+    # Ctrl-C as a terminal sends it, even where this suite runs as a background job (which ignores SIGINT)
     proc = subprocess.Popen([sys.executable, "-m", "benchbackend", *RUN, "-o", str(out)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:  # stop it once two cells have ended
         if out.exists() and sum(1 for line in out.read_text().splitlines() if ",run," in line) >= 2:
