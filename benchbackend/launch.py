@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Generator, Mapping, Optional
+from typing import IO, TYPE_CHECKING, Any, Generator, Mapping, Optional, Protocol
 
 from .backends.spec import BackendSpec, Capabilities
 from .messages import Heartbeat, Info, Message, Outcome, Peak, Row
@@ -30,7 +30,6 @@ from .probe import worker_command
 
 if TYPE_CHECKING:
     from .plan import Cell
-    from .preload import Preloaders
     from .workload import Workload
 
 __all__ = ["HEARTBEAT_S", "THREAD_VARS", "Job", "Options", "python_for", "stream", "worker_environ"]
@@ -122,8 +121,16 @@ def tail(text: str, lines: int = 6, chars: int = 600) -> str:
     return " | ".join(kept[-lines:])[-chars:]
 
 
+class Forker(Protocol):
+    """What forks a worker instead of starting an interpreter (``preload.Preloaders``; named here,
+    not imported, because the forked child runs ``worker``, which imports this module)."""
+
+    def start(self, python: str, env: Mapping[str, str], target: str, stderr: IO[str],
+              timeout: Optional[float]) -> Any: ...
+
+
 def stream(cell: "Cell", python: str, env: Mapping[str, str], job: Job, timeout: Optional[float] = None,
-           heartbeat_s: float = HEARTBEAT_S, preloaders: Optional["Preloaders"] = None,
+           heartbeat_s: float = HEARTBEAT_S, preloaders: Optional[Forker] = None,
            ) -> Generator[Message, None, Outcome]:
     """Run one worker to its end, yielding its messages; see the module docstring. With
     ``preloaders``, the worker is forked from a process that has imported the backend already."""
