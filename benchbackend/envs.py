@@ -9,7 +9,8 @@ worker's device probe inside it, and then completes a marker file. ``is_ready`` 
 
 Install steps that a plain ``pip install -r`` cannot express (one package built without build
 isolation, say) are declared beside the pins as directive lines, ``#! pip install ARGS``, which
-pip reads as comments; they run in file order after the plain lines (see ``install_steps``).
+pip reads as comments; they run in file order after the plain lines (:mod:`benchbackend.pins`
+reads the pins file).
 
 Ownership: the marker is written the moment the folder is created, as a stub, and completed after
 a successful probe. ``setup`` installs into, repairs or deletes only a folder that carries it: a
@@ -21,15 +22,10 @@ elsewhere and records DIR in ``<root>/<name>.location``, which ``env_dir`` then 
 
 The worker runs with ``PYTHONPATH`` set to a directory holding only the ``benchbackend`` package
 (``worker_env``), so the env needs numpy, pyyaml and pydantic but not benchbackend itself.
-
-Over 400 lines: building, verifying and describing an isolated environment is one job (the
-marker file's states, the pins' directives, the lock two processes share); splitting it would
-spread that one state machine over several files.
 """
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import re
@@ -42,7 +38,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from .errors import EnvError
-from .paths import configs_dirs, envs_root
+from .paths import envs_root
+from .pins import WORKER_REQUIREMENTS, install_steps, requirement_names, requirements_digest, requirements_file
 
 
 @dataclass(frozen=True)
@@ -54,11 +51,8 @@ class Probe:
     backend: str
     target: str
     env: Mapping[str, str] = field(default_factory=dict)
-#: What ``benchbackend.worker`` itself imports (keep in step with pyproject's dependencies).
-WORKER_REQUIREMENTS: tuple[str, ...] = ("numpy>=1.23", "pyyaml>=6", "pydantic>=2.5")
 MARKER = "benchbackend-env.json"
 CREATED_BY = "benchbackend"
-DIRECTIVE = "#!"
 _VENV_TIMEOUT_S = 300
 _PIP_TIMEOUT_S = 1800
 _PROBE_TIMEOUT_S = 180
@@ -94,71 +88,6 @@ def python_for(name: str) -> Path:
     return _python_in(env_dir(name))
 
 
-def requirements_file(name: str) -> Path:
-    tried = [d / f"{name}-requirements.txt" for d in configs_dirs()]
-    for path in tried:
-        if path.is_file():
-            return path
-    raise EnvError(f"cannot find the pins for the {name} environment; looked for "
-                   f"{', '.join(str(p) for p in tried)}")
-
-
-def _requirements_digest(name: str) -> Optional[str]:
-    try:
-        text = requirements_file(name).read_text()
-    except (EnvError, OSError):
-        return None  # no pins to compare with (an installed package without configs/)
-    blob = text + "\n".join(WORKER_REQUIREMENTS)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-# pip install options that take a value, so that the value is not read as a package.
-_VALUE_OPTIONS = frozenset({"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-c", "--constraint",
-                            "-r", "--requirement", "-C", "--config-settings", "--global-option", "--platform",
-                            "--python-version", "--implementation", "--abi", "--only-binary", "--no-binary"})
-
-
-def install_steps(path: Path) -> list[list[str]]:
-    """The ``pip install`` arguments of each ``#! pip install ...`` line of a pins file, in order.
-
-    Only ``pip install`` is allowed, so a pins file cannot run arbitrary commands; anything else
-    after ``#!`` is an ``EnvError`` naming the file and the line.
-    """
-    steps: list[list[str]] = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.startswith(DIRECTIVE):
-            continue
-        try:
-            words = shlex.split(line[len(DIRECTIVE):])
-        except ValueError as exc:
-            raise EnvError(f"{path}:{number}: cannot parse the install step ({exc})") from None
-        if words[:2] != ["pip", "install"] or len(words) < 3:
-            raise EnvError(f"{path}:{number}: an install step must read '#! pip install ARGS'; got {line.strip()!r}")
-        steps.append(words[2:])
-    return steps
-
-
-def _step_packages(args: list[str]) -> list[str]:
-    packages, skip = [], False
-    for word in args:
-        if skip:
-            skip = False
-        elif word.startswith("-"):
-            skip = word in _VALUE_OPTIONS
-        else:
-            packages.append(word)
-    return packages
-
-
-def _requirement_names(name: str) -> list[str]:
-    req = requirements_file(name)
-    lines = req.read_text().splitlines() + list(WORKER_REQUIREMENTS)
-    lines += [pkg for step in install_steps(req) for pkg in _step_packages(step)]
-    names = [re.split(r"[<>=!~;@\[\s]", ln.strip(), maxsplit=1)[0] for ln in lines]
-    return list(dict.fromkeys(n for n in names if n and not n.startswith(("#", "-"))))
-
-
-# --- cheap state: files only -----------------------------------------------------------------
 def _read_marker(env: Path) -> Optional[dict[str, Any]]:
     try:
         data = json.loads((env / MARKER).read_text())
@@ -174,7 +103,7 @@ def _marker_problem(name: str, env: Path) -> Optional[str]:
     marker = _read_marker(env)
     if marker is None or not marker.get("built"):
         return f"the environment at {env} is incomplete (no successful setup recorded)"
-    digest = _requirements_digest(name)
+    digest = requirements_digest(name)
     if digest and marker.get("requirements") != digest:
         return f"the environment at {env} was built from other pins than {requirements_file(name)}"
     return None
@@ -287,7 +216,7 @@ def status(name: str, check: Probe, path: Optional[Path] = None, verify: bool = 
     st = EnvStatus(name, env, _python_in(env), ready=False)
     problem = _marker_problem(name, env)
     if _python_in(env).exists():
-        names = _requirement_names(name) if _requirements_digest(name) else [check.backend]
+        names = requirement_names(name) if requirements_digest(name) else [check.backend]
         st.versions = {d: v for d in names if (v := _dist_version(env, d))}
     if problem:
         st.message = f"not ready: {problem}; run `benchbackend setup {name}`"
@@ -341,7 +270,7 @@ def setup(name: str, check: Probe, *, path: Optional[Path] = None, check_only: b
         log(f"{name}: still broken after installing the pins; rebuilding it from scratch")
         _prepare(name, env, logfile, log, fresh=True)
         info = _install_and_probe(name, check, env, logfile, log)
-    _write_marker(env, name, requirements=_requirements_digest(name), version=info.get("version"),
+    _write_marker(env, name, requirements=requirements_digest(name), version=info.get("version"),
                   devices=info.get("devices", []), python=_python_version(env),
                   built=datetime.datetime.now().isoformat(timespec="seconds"))
     _remember(name, env)

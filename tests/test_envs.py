@@ -14,7 +14,7 @@ from typing import Optional
 
 import pytest
 
-from benchbackend import envs
+from benchbackend import envs, pins
 from benchbackend.errors import EnvError
 
 PROBE = envs.Probe("demo", "demo.module:DemoBackend", {})
@@ -65,20 +65,20 @@ def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTools:
 
 
 def test_install_steps_are_read_in_order_from_directive_lines(tmp_path: Path) -> None:
-    pins = tmp_path / "pins.txt"
-    pins.write_text(PINS)
-    assert envs.install_steps(pins) == [["--no-build-isolation", "demo-pkg==1.0"],
+    path = tmp_path / "pins.txt"
+    path.write_text(PINS)
+    assert pins.install_steps(path) == [["--no-build-isolation", "demo-pkg==1.0"],
                                         ["--no-deps", "-c", "constraints.txt", "other[extra]>=2"]]
-    pins.write_text("numpy\n#! rm -rf /\n")
+    path.write_text("numpy\n#! rm -rf /\n")
     with pytest.raises(EnvError, match=r"pins.txt:2: an install step must read '#! pip install ARGS'"):
-        envs.install_steps(pins)
+        pins.install_steps(path)
 
 
 def test_setup_runs_the_install_steps_after_the_pins(tools: FakeTools, tmp_path: Path) -> None:
     st = envs.setup("demo", PROBE)
     assert st.ready, st.message
     assert tools.pip_calls == [["--no-input", "-r", str(tmp_path / "configs" / "demo-requirements.txt"),
-                                *envs.WORKER_REQUIREMENTS],
+                                *pins.WORKER_REQUIREMENTS],
                                ["--no-input", "--no-build-isolation", "demo-pkg==1.0"],
                                ["--no-input", "--no-deps", "-c", "constraints.txt", "other[extra]>=2"]]
     marker = json.loads((st.path / envs.MARKER).read_text())
@@ -97,8 +97,8 @@ def test_status_lists_the_packages_of_install_steps(tools: FakeTools) -> None:
 def test_a_changed_install_step_makes_the_env_outdated(tools: FakeTools, tmp_path: Path) -> None:
     envs.setup("demo", PROBE)
     assert envs.is_ready("demo")
-    pins = tmp_path / "configs" / "demo-requirements.txt"
-    pins.write_text(PINS.replace("demo-pkg==1.0", "demo-pkg==1.1"))
+    pinned = tmp_path / "configs" / "demo-requirements.txt"
+    pinned.write_text(PINS.replace("demo-pkg==1.0", "demo-pkg==1.1"))
     assert not envs.is_ready("demo")
     assert "other pins" in envs.status("demo", PROBE, verify=False).message
 
