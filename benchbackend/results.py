@@ -176,7 +176,7 @@ def check_writable(path: Path) -> None:
         raise PermissionError(13, "Permission denied")
 
 
-def _cell_values(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+def cell_values(path: Path) -> dict[tuple[str, str], dict[str, str]]:
     """Each ended cell's ``CELL_LEVEL`` values (its final status, ...), from its ``run`` row."""
     out: dict[tuple[str, str], dict[str, str]] = {}
     with open(path, newline="") as fh:
@@ -189,7 +189,7 @@ def _cell_values(path: Path) -> dict[tuple[str, str], dict[str, str]]:
 def finalize(path: Path) -> None:
     """Give every row of an ended cell its cell's final status and cell-level values; rewrite
     ``path`` atomically, one pass to read the cells' ``run`` rows and one to copy the rows."""
-    final = _cell_values(path)
+    final = cell_values(path)
 
     def rows(header: list[str], reader: Iterator[list[str]]) -> Iterator[list[str]]:
         index = {c: i for i, c in enumerate(header)}

@@ -99,9 +99,7 @@ def prune(path: Path, rerun: set[CellKey]) -> int:
     """Remove the rows of the file's unfinished cells whose key is in ``rerun`` (atomically);
     return how many rows the file holds after."""
     path = Path(path)
-    with open(path, newline="") as fh:
-        ended = {(row["run_id"], row["cell_order"]) for row in csv.DictReader(fh)
-                 if row["phase"] == "run" and row["status"] not in UNFINISHED}
+    ended = {cell for cell, values in results.cell_values(path).items() if values.get("status") not in UNFINISHED}
 
     def rows(header: list[str], reader: Iterator[list[str]]) -> Iterator[list[str]]:
         for values in reader:

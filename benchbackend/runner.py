@@ -169,8 +169,9 @@ class Runner:
         """The cells to run, and the groups that cannot run here (their first cell, and why)."""
         tasks, refused, seen = [], [], set()
         for cell in cells(self.plan):
-            if self.previous is not None and self._key(cell) in self.previous.finished:
-                self.resumed.append(self.previous.finished[self._key(cell)])
+            ended = self.previous.finished.get(self._key(cell)) if self.previous is not None else None
+            if ended is not None:
+                self.resumed.append(ended)
                 continue
             spec = backends.get(cell.choice.backend)
             # On a cluster, whether a node has the backend shows in its worker's own `unavailable` row.
