@@ -98,6 +98,11 @@ def main() -> None:
                    "Default: 1, a cell reserves its whole node.")
 @click.option("--allow-mixed-hosts", is_flag=True,
               help="Ray: let a group's repeats run on different nodes (compare warns about mixed hosts).")
+@click.option("--wait-for-nodes", type=click.FloatRange(0), default=0, metavar="SECONDS",
+              help="Ray: wait this long for a node that can take a cell to join (autoscaling) before calling "
+                   "it unavailable.")
+@click.option("--retries", type=click.IntRange(0), default=0, metavar="N",
+              help="Ray: run a cell again, up to N times, when its node or Ray worker is lost mid-cell.")
 @click.option("--parity-steps", default=0, type=click.IntRange(0), show_default=True,
               help="Also compare the first K training steps' losses with the reference (dropout off).")
 @click.option("--order", type=click.Choice(["interleaved", "sequential"]), default="interleaved", show_default=True,
@@ -118,8 +123,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int],
         inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
         executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
-        parity_steps: int, order: str, output: Optional[Path], force: bool, resume_from: Optional[Path], plots: bool,
-        quiet: bool) -> None:
+        wait_for_nodes: float, retries: int, parity_steps: int, order: str, output: Optional[Path], force: bool,
+        resume_from: Optional[Path], plots: bool, quiet: bool) -> None:
     """Run WORKLOAD(s) (a name in workloads/ or a .yaml path) on each backend, mode and precision.
 
     \b
@@ -128,7 +133,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run cifar10 mnist -b torch -b tensorflow --repeats 3 --epochs 2 --limit 2000 --data synthetic
       benchbackend run cifar10 -b torch --mode torch:eager --precision fp32 --precision bf16
       benchbackend run cifar10 -b torch -b tensorflow --batch-size 32 --batch-size 128
-      benchbackend run mnist -b torch -b numpy --executor ray --address head:6379
+      benchbackend run mnist -b torch -b numpy --executor ray --address head:6379 --retries 1
       benchbackend run path/to/my_workload.yaml -b tensorflow
       benchbackend run mnist -b torch -b tensorflow --repeats 5 --resume results/interrupted.csv
     """
@@ -172,7 +177,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
                             inference_only=inference_only, options=options, order=order)
     try:
-        executor = executors.make(executor_name, address, cells_per_node, allow_mixed_hosts, timeout, preload)
+        executor = executors.make(executor_name, address, cells_per_node, allow_mixed_hosts, timeout, preload,
+                                  wait_for_nodes, retries)
     except ClusterError as exc:
         raise UsageFailure(str(exc)) from None
     r = runner.Runner(plan, executor, writer, progress.display(quiet), previous)

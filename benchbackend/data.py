@@ -74,11 +74,15 @@ class Dataset:
     y_test: np.ndarray
     source: str  # "real", "synthetic" or "npz"
 
-    def save(self, path: Any, orders: np.ndarray) -> None:
-        """The .npz a worker reads (``worker._load_arrays``): every split, uint8 images and labels as
+    def arrays(self, orders: np.ndarray) -> dict[str, np.ndarray]:
+        """What a worker reads (``worker._load_arrays``): every split, uint8 images and labels as
         they are, and ``orders``, the sample order of each epoch (:func:`epoch_orders`)."""
-        np.savez(path, x_train=self.x_train, y_train=self.y_train, x_val=self.x_val, y_val=self.y_val,
-                 x_test=self.x_test, y_test=self.y_test, orders=orders)
+        return {"x_train": self.x_train, "y_train": self.y_train, "x_val": self.x_val, "y_val": self.y_val,
+                "x_test": self.x_test, "y_test": self.y_test, "orders": orders}
+
+    def save(self, path: Any, orders: np.ndarray) -> None:
+        """Write :meth:`arrays` to the .npz ``path``."""
+        np.savez(path, **self.arrays(orders))
 
 
 def default_data_dir() -> Path:

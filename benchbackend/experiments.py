@@ -88,10 +88,12 @@ def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
     ``device`` is what the user asked for (``--device cpu``) where recorded, since backends name
     one device differently (torch ``cpu``, TensorFlow ``cpu:0``, PlaidML ``llvm_cpu.0``); ``mode``
     is the backend's default mode where a file left it empty, so that ``--baseline torch:eager``
-    names it and every output carries a mode."""
+    names it and every output carries a mode. The rows of an attempt lost with its node and run
+    again (``retried``) are left out: the attempt that followed measured the cell."""
     from . import backends as registry
+    from .results import RETRIED
 
-    out = df.copy()
+    out = df[df["status"] != RETRIED].copy()
     out["experiment"] = experiments(out)
     out["precision"] = out["precision"].astype(str).replace("", "fp32")
     mode = out["mode"].astype(str)

@@ -4,6 +4,7 @@ An executor (``executors/local.py``, ``executors/ray.py``) is an iterator of the
 consumes them and knows nothing of processes, nodes or JSON. Per cell the order is ``Started``,
 then any number of ``Info``, ``Peak``, ``Row`` and ``Heartbeat``, then one ``Ended``. A cell that
 never starts (nothing can run it) is ``Started`` and ``Ended`` with an ``unavailable`` outcome.
+A cell whose first attempt ended ``retried`` starts again: ``Started`` ... ``Ended`` once more.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a worker ended. ``status`` is ``done``, ``unavailable``, ``timeout``, ``crashed`` or
-    ``interrupted``; ``message`` says why when it is not ``done``."""
+    """How a worker ended. ``status`` is ``done``, ``unavailable``, ``timeout``, ``crashed``,
+    ``interrupted`` or ``retried`` (its node was lost and the executor runs the cell again: another
+    ``Started`` follows); ``message`` says why when it is not ``done``."""
 
     status: str
     message: str = ""

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from .errors import ResultsError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: Fixed columns, in this order; see README "CSV columns".
 BASE_COLUMNS = [
@@ -44,25 +44,33 @@ EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "f
                  # the trajectory row, whose steps are in ``steps`` and first diverging step in
                  # ``parity_step``, and the run row); ``device`` in its canonical form
                  # (``canonical_device``); ``notes`` never in ``message``
-                 "pass"]
+                 "pass",
+                 # schema 5: which attempt of the cell the row belongs to (1, or 2... after ``--retries``
+                 # ran a cell again whose node was lost; the lost attempt's rows read ``retried``),
+                 # the checksum of the cell's arrays (``data.checksum``) and where its worker found
+                 # them (``data_origin``: local, node-cache, generated, shared-path, fetched)
+                 "attempt", "data_sha256", "data_origin"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
 #: Cell statuses, best first; "worst" is the highest index. ``pending``: the cell had not ended
-#: when the row was written (a parent killed outright leaves it so).
+#: when the row was written (a parent killed outright leaves it so). ``retried``: an attempt lost
+#: with its node and run again (``--retries``); its rows are kept for the record and feed nothing.
 STATUSES = ("ok", "parity_mismatch", "chance_accuracy", "diverged", "nan_loss", "unavailable", "timeout",
-            "interrupted", "crashed", "pending")
+            "interrupted", "crashed", "retried", "pending")
 PENDING = "pending"
+RETRIED = "retried"
 NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy", "val_loss",
            "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
            "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s",
-           "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed", "pass"]
+           "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed", "pass", "attempt"]
 #: The definition's fields as columns (schema 3), and the key of each in the ``definition`` text
 #: that older files carry (read once, when such a file is read: see ``_migrate``).
 DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch",
                       "inference_batch_size": "infer_batch", "seed": "seed"}
-#: A cell is named by its run and its place in that run's order (schema 3).
-CELL_KEY = ("run_id", "cell_order")
+#: A cell's attempt is named by its run, its place in that run's order (schema 3) and the attempt
+#: (schema 5; older files: 1).
+CELL_KEY = ("run_id", "cell_order", "attempt")
 #: What a cell's ``run`` row says for every row of the cell.
 CELL_LEVEL = ("status", "time_to_accuracy_s")
 
@@ -176,13 +184,18 @@ def check_writable(path: Path) -> None:
         raise PermissionError(13, "Permission denied")
 
 
-def cell_values(path: Path) -> dict[tuple[str, str], dict[str, str]]:
-    """Each ended cell's ``CELL_LEVEL`` values (its final status, ...), from its ``run`` row."""
-    out: dict[tuple[str, str], dict[str, str]] = {}
+def cell_id(row: Mapping[str, str]) -> tuple[str, str, str]:
+    """``CELL_KEY``'s values of a row as read from the file (text); an older row's attempt is 1."""
+    return row["run_id"], row.get("cell_order") or "", row.get("attempt") or "1"
+
+
+def cell_values(path: Path) -> dict[tuple[str, str, str], dict[str, str]]:
+    """Each ended cell attempt's ``CELL_LEVEL`` values (its final status, ...), from its ``run`` row."""
+    out: dict[tuple[str, str, str], dict[str, str]] = {}
     with open(path, newline="") as fh:
         for row in csv.DictReader(fh):
             if row.get("phase") == "run" and row.get("cell_order") and row.get("status") != PENDING:
-                out[(row["run_id"], row["cell_order"])] = {c: row[c] for c in CELL_LEVEL if row.get(c)}
+                out[cell_id(row)] = {c: row[c] for c in CELL_LEVEL if row.get(c)}
     return out
 
 
@@ -193,10 +206,11 @@ def finalize(path: Path) -> None:
 
     def rows(header: list[str], reader: Iterator[list[str]]) -> Iterator[list[str]]:
         index = {c: i for i, c in enumerate(header)}
-        run_id, order = index["run_id"], index.get("cell_order")
+        run_id, order, attempt = index["run_id"], index.get("cell_order"), index.get("attempt")
         for row in reader:
             if order is not None:
-                for col, value in final.get((row[run_id], row[order]), {}).items():
+                key = (row[run_id], row[order], (row[attempt] if attempt is not None else "") or "1")
+                for col, value in final.get(key, {}).items():
                     row[index[col]] = value
             yield row
 
@@ -288,8 +302,9 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Rows of older schemas, as schema 4 says them (see ``EXTRA_COLUMNS``):
+    """Rows of older schemas, as schema 5 says them (see ``EXTRA_COLUMNS``):
 
+    - before 5, a cell had one attempt: ``attempt`` is 1;
     - before 4, ``epoch`` also held an inference row's pass, 0 on build, tune, parity and run
       rows, and the trajectory row's step count (also in ``steps``): the pass moves to ``pass``,
       the others are emptied; ``device`` was each framework's own name (``canonical_device``);
@@ -299,6 +314,7 @@ def _migrate(df: "Any") -> None:
     - before 3, the definition is named only in its text (``train=1024 ... batch=32``): the
       definition columns are filled from it, the one place that text is ever read back.
     """
+    df.loc[df["attempt"] == "", "attempt"] = "1"  # before schema 5, every cell had one attempt
     version = df["schema_version"].astype(int)
     old = version < 4
     if old.any():

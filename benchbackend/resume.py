@@ -22,8 +22,8 @@ from . import results
 from .errors import ResultsError
 from .workload import Workload
 
-#: Statuses of a cell that did not finish: it runs again.
-UNFINISHED = ("interrupted", results.PENDING)
+#: Statuses of a cell attempt that did not finish: unless another attempt did, the cell runs again.
+UNFINISHED = ("interrupted", results.RETRIED, results.PENDING)
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def prune(path: Path, rerun: set[CellKey]) -> int:
     def rows(header: list[str], reader: Iterator[list[str]]) -> Iterator[list[str]]:
         for values in reader:
             row = dict(zip(header, values))
-            if (row["run_id"], row["cell_order"]) not in ended and row["repeat"] and CellKey.of(row) in rerun:
+            if results.cell_id(row) not in ended and row["repeat"] and CellKey.of(row) in rerun:
                 continue
             yield values
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Sequence
 
-from . import backends, checks, data, model, peaks, progress, results, resume
+from . import arrays, backends, checks, model, peaks, progress, results, resume
 from .backends.spec import BackendSpec
 from .launch import Job
 from .messages import Ended, Heartbeat, Info, Message, Outcome, Peak, Row, Started
@@ -71,11 +71,14 @@ class CellResult:
 
 @dataclass(frozen=True)
 class Task:
-    """One cell for an executor: the worker's job and the backend's registry entry."""
+    """One cell for an executor: the worker's job, the backend's registry entry, and what the job's
+    arrays are (their checksum, ``arrays.checksum``; their source: ``synthetic`` can be made anywhere)."""
 
     cell: Cell
     job: Job
     spec: BackendSpec
+    data_sha256: str = ""
+    data_source: str = ""
 
 
 class Executor(Protocol):
@@ -123,7 +126,9 @@ class Runner:
         self.env = results.environment()
         self.results: list[CellResult] = []
         self.sources: dict[str, str] = {}
+        self.checksums: dict[str, str] = {}  # of each workload's arrays (``arrays.checksum``)
         self.open: dict[int, _Open] = {}
+        self.attempts: dict[int, int] = {}  # cell order -> attempts started (``--retries`` runs one again)
         self.waiting: dict[GroupId, int] = {}
 
     def run(self) -> list[CellResult]:
@@ -152,13 +157,11 @@ class Runner:
     # --- the plan ---------------------------------------------------------------------------
     def _prepare(self, w: Workload, tmp: Path) -> Path:
         """The run's arrays and per-epoch orders, once per workload: every backend gets these."""
-        ds = data.load(w, self.plan.data_source, self.plan.data_dir, progress=self._download_progress)
-        orders = data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed)
         path = tmp / f"{w.name}-{w.hash()}.npz"
-        ds.save(path, orders)
-        self.sources[w.hash()] = ds.source
-        self.display.note(f"[{w.name}] {ds.source} data: {len(ds.y_train)} train, {len(ds.y_val)} validation, "
-                          f"{len(ds.y_test)} test")
+        made = arrays.prepare(w, self.plan.data_source, self.plan.data_dir, path, progress=self._download_progress)
+        self.sources[w.hash()], self.checksums[w.hash()] = made.source, made.sha256
+        train, val, test = made.sizes
+        self.display.note(f"[{w.name}] {made.source} data: {train} train, {val} validation, {test} test")
         return path
 
     def _download_progress(self, name: str, done: int, total: int) -> None:
@@ -185,7 +188,8 @@ class Runner:
                                device=self.plan.device, repeat=cell.repeat, data=str(arrays[cell.workload.hash()]),
                                trains=not self.plan.inference_only, parity_steps=self.plan.parity_steps,
                                options=self.plan.options)
-            tasks.append(Task(cell, job, spec))
+            digest = cell.workload.hash()
+            tasks.append(Task(cell, job, spec, self.checksums[digest], self.sources[digest]))
             self.waiting[cell.group] = self.waiting.get(cell.group, 0) + 1
         return tasks, refused
 
@@ -238,18 +242,21 @@ class Runner:
         cell, w = message.cell, message.cell.workload
         c = cell.choice
         source = self.sources.get(w.hash(), "")
-        base = {"run_id": self.run_id, "cell_order": cell.order, "workload": w.name, "workload_hash": w.hash(),
-                "backend": c.backend, "mode": c.mode, "precision": c.precision, "device": self.plan.device,
-                "repeat": cell.repeat, **self.env, **message.environment,
-                "flops_per_sample": model.flops_per_sample(w), "params": model.param_count(w),
+        attempt = self.attempts[cell.order] = self.attempts.get(cell.order, 0) + 1
+        base = {"run_id": self.run_id, "cell_order": cell.order, "attempt": attempt, "workload": w.name,
+                "workload_hash": w.hash(), "backend": c.backend, "mode": c.mode, "precision": c.precision,
+                "device": self.plan.device, "repeat": cell.repeat, "data_origin": "local", **self.env,
+                **message.environment, "flops_per_sample": model.flops_per_sample(w), "params": model.param_count(w),
                 "requested_device": self.plan.device, "data_source": source,
-                "inference_only": self._inference_only(c.backend),
+                "data_sha256": self.checksums.get(w.hash(), ""), "inference_only": self._inference_only(c.backend),
                 "definition": definition(w, source), "limit": w.data.train, "epochs": w.training.epochs,
                 "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device), base)
-        self.display.cell_started(cell)
+        if attempt == 1:
+            self.display.cell_started(cell)
         where = f" on {message.environment['host']}" if message.environment.get("host") else ""
-        self.display.note(f"{progress.tag(cell)} starting worker{where}")
+        again = f" (attempt {attempt})" if attempt > 1 else ""
+        self.display.note(f"{progress.tag(cell)} starting worker{where}{again}")
 
     def _row(self, state: _Open, row: dict[str, Any]) -> None:
         cell = state.result.cell
@@ -284,7 +291,8 @@ class Runner:
         return why
 
     def _end(self, state: _Open, outcome: Outcome) -> None:
-        """The cell has ended: decide its status and append its ``run`` row, which carries it."""
+        """The cell has ended: decide its status and append its ``run`` row, which carries it. An
+        attempt the executor runs again (``retried``) only closes its rows: the next one measures the cell."""
         result, w = state.result, state.result.cell.workload
         if outcome.status == "done":
             result.status, result.message = checks.cell_status(state.rows, w, result.cell.choice.precision)
@@ -299,9 +307,11 @@ class Runner:
         self.writer.end_cell({**state.base, **values, "message": result.message,
                               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, result.status)
         del self.open[result.cell.order]
-        self.results.append(result)
         if result.status != "ok":
             self.display.note(f"{progress.tag(result.cell)} {result.status}: {result.message}")
+        if result.status == results.RETRIED:
+            return
+        self.results.append(result)
         self.display.cell_ended(result.cell, result.status)
         group = result.cell.group
         self.waiting[group] = self.waiting.get(group, 1) - 1

@@ -58,6 +58,8 @@ def test_python_dash_m_works():
     (["run", "mnist", "-b", "caffe"], "unknown backend 'caffe'"),
     (["run", "mnist", "-b", "tvm:tuned"], "unknown backend 'tvm:tuned' (for a mode: -b tvm --mode tvm:tuned)"),
     (["run", "does/not/exist.yaml"], "does/not/exist.yaml: workload file not found"),
+    (["run", "mnist", "-b", "numpy", "--retries", "1", "--wait-for-nodes", "60"],
+     "--wait-for-nodes, --retries needs --executor ray"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, needle):
     assert needle in one_line_error(invoke(*args))

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import results
+from benchbackend import arrays, results, workload
 from benchbackend.cli import main
 
 
@@ -28,7 +28,11 @@ def _run(monkeypatch, tmp_path: Path, *args: str) -> Path:
 def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp_path):
     path = _run(monkeypatch, tmp_path, "--epochs", "2", "--parity-steps", "2", "--batch-size", "50")
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)  # as a user reads it, no benchbackend
-    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 4
+    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 5
+    # Schema 5: one attempt per cell here, and the arrays every row was measured on.
+    assert set(raw["attempt"]) == {"1"} and set(raw["data_origin"]) == {"local"}
+    w = workload.load("mnist").with_overrides(limit=200, epochs=2, batch_size=50)
+    assert set(raw["data_sha256"]) == {arrays.prepare(w, "synthetic", None, tmp_path / "a.npz").sha256}
     # The definition as real columns on every row, not parsed out of `definition`.
     assert set(raw["batch_size"]) == {"50"} and set(raw["epochs"]) == {"2"} and set(raw["limit"]) == {"200"}
     assert set(raw["inference_batch_size"]) == {"50"}  # --batch-size sets both
@@ -69,7 +73,7 @@ def test_the_writer_names_a_device_canonically(tmp_path):
 
 def _old_file(path: Path, version: int, rows: list[dict]) -> Path:
     """A file as an older benchbackend wrote it: its columns only, its schema_version."""
-    columns = [c for c in results.COLUMNS if c != "pass"]
+    columns = [c for c in results.COLUMNS if c not in ("pass", "attempt", "data_sha256", "data_origin")]
     if version < 3:
         columns = [c for c in columns if c not in ("cell_order", "notes", *results.DEFINITION_COLUMNS)]
     with open(path, "w", newline="") as fh:
@@ -83,7 +87,7 @@ def _old_file(path: Path, version: int, rows: list[dict]) -> Path:
 
 
 @pytest.mark.parametrize("version", [2, 3])
-def test_an_older_file_is_read_as_schema_4_says_it(tmp_path, version):
+def test_an_older_file_is_read_as_schema_5_says_it(tmp_path, version):
     path = _old_file(tmp_path / "old.csv", version, [
         {"phase": "build", "epoch": 0, "message": "cpu_capability AVX512" if version < 3 else "",
          "notes": "cpu_capability AVX512"},
@@ -98,6 +102,7 @@ def test_an_older_file_is_read_as_schema_4_says_it(tmp_path, version):
     ])
     df = results.read(path)
     phase = df["phase"]
+    assert set(df["attempt"]) == {1}  # before schema 5, a cell had one attempt
     assert df.loc[phase == "train_epoch", "epoch"].tolist() == [1, 2]
     assert df.loc[phase != "train_epoch", "epoch"].isna().all()
     assert df.loc[phase == "inference", "pass"].tolist() == [1, 2]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchbackend import backends, progress, results, runner, workload
+from benchbackend import arrays, backends, progress, results, runner, workload
 from benchbackend import plan as planning
 from benchbackend.backends import BackendSpec, Mode
 from benchbackend.executors.local import LocalExecutor
@@ -53,7 +53,8 @@ def _ray_executor(**kwargs):
 
 
 COMPARED = ["repeat", "phase", "epoch", "samples", "status", "loss", "accuracy", "val_loss", "val_accuracy",
-            "parity_max_abs", "parity_max_rel", "params", "backend", "mode", "precision", "threads"]
+            "parity_max_abs", "parity_max_rel", "params", "backend", "mode", "precision", "threads", "data_sha256",
+            "attempt"]
 
 
 def test_ray_rows_match_the_local_executor_but_for_timings_and_hosts(cluster, tmp_path):
@@ -170,3 +171,45 @@ def test_two_cells_per_node_run_side_by_side_with_half_the_threads_each(cluster,
     assert sorted(c.repeat for c in cells) == [1, 2]
     df = results.read(tmp_path / "shared.csv")
     assert set(df["threads"]) == {cluster.cluster_resources()["CPU"] // 2}
+
+
+def test_synthetic_data_is_made_on_the_node_checked_and_cached(cluster, tmp_path):
+    from benchbackend.executors.ray_node import node_cache
+
+    plan = _plan(tmp_path, "made", limit=512, epochs=2)  # enough SGD steps to clear the chance check
+    expected = arrays.prepare(plan.workloads[0], "synthetic", None, tmp_path / "here.npz").sha256
+    node_cache(expected).unlink(missing_ok=True)  # this cluster shares the suite's cache folder
+    cells = _run(tmp_path, "made", plan, _ray_executor())
+    assert [c.status for c in cells] == ["ok", "ok"]
+    df = results.read(tmp_path / "made.csv")
+    assert set(df["data_sha256"]) == {expected} and set(df["data_origin"]) == {"generated"}
+    assert node_cache(expected).is_file()
+    _run(tmp_path, "again", _plan(tmp_path, "again", limit=512, epochs=2, repeats=1), _ray_executor())
+    assert set(results.read(tmp_path / "again.csv")["data_origin"]) == {"node-cache"}
+
+
+def test_data_a_node_cannot_make_or_see_is_fetched_once_then_cached_and_always_checked(cluster, tmp_path,
+                                                                                      monkeypatch):
+    from benchbackend.executors.ray_node import DataSource, materialize, node_cache
+
+    monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path / "cache"))
+    w = workload.load("mnist").with_overrides(limit=64)
+    here = tmp_path / "arrays.npz"
+    sha = arrays.prepare(w, "synthetic", None, here).sha256
+    stored = [cluster.put(here.read_bytes())]
+    # Not synthetic (a user's .npz, say), and the driver's file is not on this node:
+    far = DataSource(sha, str(tmp_path / "on-the-driver-only.npz"), None, stored)
+    path, how = materialize(far, tmp_path)
+    assert (how, path, arrays.checksum(path)) == ("fetched", node_cache(sha), sha)
+    assert materialize(far, tmp_path) == (node_cache(sha), "node-cache")
+    node_cache(sha).write_bytes(here.read_bytes()[:200])  # a truncated cache entry is not trusted
+    assert materialize(far, tmp_path)[1] == "fetched"
+    # Synthetic data the node makes differently (another generator) is not used: it is fetched.
+    other = DataSource(sha, "", w.with_overrides(seed=w.seed + 1), stored)
+    node_cache(sha).unlink()
+    assert materialize(other, tmp_path)[1] == "fetched"
+    # A shared file system: the driver's own file, once its checksum is right.
+    node_cache(sha).unlink()
+    assert materialize(DataSource(sha, str(here), None, stored), tmp_path) == (here, "shared-path")
+    with pytest.raises(ValueError, match="do not match their checksum"):
+        materialize(DataSource("0" * 64, str(here), None, stored), tmp_path)

@@ -11,13 +11,14 @@ if TYPE_CHECKING:
 
 def make(name: str, address: Optional[str] = None, cells_per_node: Optional[int] = None,
          allow_mixed_hosts: bool = False, timeout: Optional[float] = None,
-         preload: bool = True) -> "Executor":
+         preload: bool = True, wait_for_nodes: float = 0.0, retries: int = 0) -> "Executor":
     """The executor ``--executor`` names; a Ray cluster is joined (or started) here, before data is
     prepared. Raises ``ClusterError`` for cluster options without Ray, Ray not installed, or a
     cluster that cannot be joined."""
     if name == "local":
         given = [f for f, v in (("--address", address), ("--cells-per-node", cells_per_node),
-                                ("--allow-mixed-hosts", allow_mixed_hosts)) if v]
+                                ("--allow-mixed-hosts", allow_mixed_hosts), ("--wait-for-nodes", wait_for_nodes),
+                                ("--retries", retries)) if v]
         if given:
             raise ClusterError(f"{', '.join(given)} needs --executor ray")
         from .local import LocalExecutor
@@ -28,6 +29,6 @@ def make(name: str, address: Optional[str] = None, cells_per_node: Optional[int]
     except ImportError as exc:
         raise ClusterError(f"--executor ray needs Ray ({exc}): pip install 'benchbackend[ray]'") from None
     executor = RayExecutor(address=address, cells_per_node=cells_per_node, allow_mixed_hosts=allow_mixed_hosts,
-                           timeout=timeout)
+                           timeout=timeout, wait_for_nodes=wait_for_nodes, retries=retries)
     executor.connect()
     return executor

@@ -18,16 +18,22 @@ that does not exist:
   which a node advertises (``ray start --resources '{"benchbackend-env-plaidml": 1}'``);
 - a group no live node can take gets an ``unavailable`` cell that says what was missing.
 
+- work that no live node can take waits up to ``wait_for_nodes`` seconds for one to join (an
+  autoscaler's node, or one that is starting), and asks the autoscaler for it, before its cells
+  are called ``unavailable``.
+
 Faults cost one cell: a Ray worker or node that dies mid-cell makes that cell ``crashed`` with
-Ray's reason (its streamed rows are kept); the task's remaining cells are resubmitted, to the same
-node while it lives. Tasks are never retried by Ray (a retry would measure a cell twice). When the
-consumer stops (Ctrl-C), every task is cancelled, which kills its worker.
+Ray's reason (its streamed rows are kept), or, under ``retries``, ends that attempt ``retried``
+and runs the cell again (then as attempt 2, ...); the task's remaining cells are resubmitted, to
+the same node while it lives, else to another. Ray itself never retries a task (that would measure
+cells twice). When the consumer stops (Ctrl-C), every task is cancelled, which kills its worker.
+
+The data is not shipped with the cells: each node finds or makes it (``ray_node.materialize``).
 """
 from __future__ import annotations
 
 import logging
 import socket
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,8 +47,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .. import backends
 from ..backends.spec import gpu_index
 from ..errors import ClusterError
-from ..launch import HEARTBEAT_S, python_for, stream, worker_environ
-from ..messages import Ended, Heartbeat, Message, Outcome, Started, decode, encode
+from ..messages import Ended, Message, Outcome, Started, decode
+from .ray_node import DataSource, cell_task
 
 if TYPE_CHECKING:
     from ..plan import Cell, GroupId
@@ -77,6 +83,7 @@ class _Work:
 
     tasks: list["Task"]
     node: Optional[str] = None  # the node the work is pinned to, once it has run there
+    waiting_since: Optional[float] = None  # since when no live node could take it (``wait_for_nodes``)
 
     @property
     def needs(self) -> dict[str, float]:
@@ -100,9 +107,13 @@ class RayExecutor:
     remote = True
 
     def __init__(self, address: Optional[str] = None, cells_per_node: Optional[int] = None,
-                 allow_mixed_hosts: bool = False, num_cpus: Optional[int] = None, timeout: Optional[float] = None):
+                 allow_mixed_hosts: bool = False, num_cpus: Optional[int] = None, timeout: Optional[float] = None,
+                 wait_for_nodes: float = 0.0, retries: int = 0):
         if cells_per_node is not None and cells_per_node < 1:
             raise ValueError("cells_per_node must be at least 1")
+        if wait_for_nodes < 0 or retries < 0:
+            raise ValueError("wait_for_nodes and retries cannot be negative")
+        self.wait_for_nodes, self.retries = wait_for_nodes, retries
         self.address = address
         self.cells_per_node = cells_per_node
         self.allow_mixed_hosts = allow_mixed_hosts
@@ -173,8 +184,10 @@ class _Session:
         self.cells = {t.cell.order: t.cell for t in tasks}
         self.pending: deque[_Work] = deque(_units(tasks, executor.allow_mixed_hosts))
         self.running: dict[Any, _Running] = {}
-        self.data: dict[str, Any] = {}
+        self.data: dict[str, DataSource] = {}
         self.given_up: set["GroupId"] = set()  # groups that came back unavailable
+        self.retried: dict[int, int] = {}  # cell order -> attempts run again
+        self.asked = False  # whether the autoscaler was asked for nodes
 
     def messages(self) -> Iterator[Message]:
         finished = False
@@ -192,6 +205,8 @@ class _Session:
         finally:
             if not finished:  # Ctrl-C or a consumer that stopped: no task outlives the run
                 self._cancel_all()
+            if self.asked:
+                _ask_autoscaler([])  # withdraw the request: the nodes may go
 
     # --- placement ----------------------------------------------------------------------------
     def _submit(self, nodes: list[dict[str, Any]]) -> Iterator[Message]:
@@ -209,8 +224,12 @@ class _Session:
             if work.node and any(n["NodeID"] == work.node for n in fit):
                 fit = [n for n in fit if n["NodeID"] == work.node]  # the work stays where it began
             if not fit:
-                yield from self._unavailable(work, nodes)
+                if self._may_wait(work):
+                    waiting.append(work)
+                else:
+                    yield from self._unavailable(work, nodes)
                 continue
+            work.waiting_since = None
             free = [n for n in fit if busy.get(n["NodeID"], 0) < slots]
             if not free:
                 waiting.append(work)
@@ -219,6 +238,18 @@ class _Session:
             busy[node["NodeID"]] = busy.get(node["NodeID"], 0) + 1
             self._launch(work, node)
         self.pending = waiting
+
+    def _may_wait(self, work: _Work) -> bool:
+        """Whether ``work``, which no live node can take, waits on for a node to join (and asks the
+        autoscaler for one the first time)."""
+        if not self.ex.wait_for_nodes:
+            return False
+        now = time.monotonic()
+        if work.waiting_since is None:
+            work.waiting_since = now
+            self.asked = True
+            _ask_autoscaler([{"CPU": 1.0, **work.needs}])
+        return now - work.waiting_since < self.ex.wait_for_nodes
 
     def _cpus(self, node: Mapping[str, Any]) -> float:
         total = float(node["Resources"].get("CPU", 0))
@@ -233,24 +264,29 @@ class _Session:
         options: dict[str, Any] = {
             "num_cpus": cpus, "num_gpus": resources.pop("GPU", 0), "resources": resources, "max_retries": 0,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)}
-        gen = _cell_task.options(**options).remote(work.tasks, self._data(work), share, self.ex.timeout)
+        gen = cell_task.options(**options).remote(work.tasks, self._data(work), share, self.ex.timeout)
         work.node = node["NodeID"]
         self.running[gen] = _Running(work, node["NodeID"], gen)
 
-    def _data(self, work: _Work) -> Any:
-        """The workload's arrays in the object store, put once: nodes cannot read the driver's files."""
-        path = work.tasks[0].job.data
+    def _data(self, work: _Work) -> DataSource:
+        """Where a node finds the unit's arrays (``ray_node.materialize``). The driver's copy goes
+        into the object store once: a node pulls it only when it can neither make nor see them."""
+        first = work.tasks[0]
+        path = first.job.data
         if path not in self.data:
-            self.data[path] = ray.put(Path(path).read_bytes())
+            self.data[path] = DataSource(first.data_sha256, path,
+                                         first.cell.workload if first.data_source == "synthetic" else None,
+                                         [ray.put(Path(path).read_bytes())])
         return self.data[path]
 
     def _unavailable(self, work: _Work, nodes: list[dict[str, Any]]) -> Iterator[Message]:
-        missing = sorted({m for n in nodes for m in _missing(work.needs, n)} or work.needs)
+        missing = sorted({m for n in nodes for m in _missing(work.needs, n)} or ["CPU", *work.needs])
         hint = "".join(f"; advertise it with `ray start --resources '{{\"{m}\": 1}}'` on a node that has run "
                        f"`benchbackend setup {m.removeprefix(ENV_RESOURCE.format(''))}`"
                        for m in missing if m.startswith(ENV_RESOURCE.format("")))
+        waited = f" (after waiting {self.ex.wait_for_nodes:g}s for nodes to join)" if self.ex.wait_for_nodes else ""
         outcome = Outcome("unavailable", f"no live node of the Ray cluster ({len(nodes)} nodes) has "
-                                         f"{', '.join(missing)}{hint}")
+                                         f"{', '.join(missing)}{waited}{hint}")
         for task in work.tasks:
             if task.cell.group not in self.given_up:
                 self.given_up.add(task.cell.group)
@@ -281,12 +317,21 @@ class _Session:
         yield message
 
     def _fault(self, task: _Running, exc: RayError) -> Iterator[Message]:
-        """The task's worker or node died: the running cell is crashed, the rest of the work goes on."""
+        """The task's worker or node died: the running cell is crashed, or ``retried`` while it has
+        retries left; the rest of the work (with a retried cell) goes on, on another node if need be."""
         reason = _reason(exc)
         del self.running[task.gen]
-        if task.current is not None:
-            task.done.add(task.current.order)
-            yield Ended(task.current, Outcome("crashed", f"Ray: {reason}"))
+        cell = task.current
+        if cell is not None:
+            tried = self.retried.get(cell.order, 0)
+            if tried < self.ex.retries:
+                self.retried[cell.order] = tried + 1
+                yield Ended(cell, Outcome("retried", f"Ray: {reason}; run again (retry {tried + 1} of "
+                                                     f"{self.ex.retries})"))
+            else:
+                task.done.add(cell.order)
+                after = f" (after {tried} retries)" if tried else ""
+                yield Ended(cell, Outcome("crashed", f"Ray: {reason}{after}"))
         rest = [t for t in task.work.tasks if t.cell.order not in task.done]
         if rest:
             self.pending.appendleft(_Work(rest, task.node))
@@ -317,55 +362,23 @@ def _reason(exc: RayError) -> str:
 
 
 def _missing(wanted: Mapping[str, float], node: Mapping[str, Any]) -> list[str]:
+    """What ``node`` lacks of ``wanted``; a node without CPUs (a head started with ``--num-cpus 0``,
+    to keep work off it) takes no cell."""
     have = node.get("Resources", {})
-    return [k for k, v in wanted.items() if float(have.get(k, 0)) < v]
+    lacks = [k for k, v in wanted.items() if float(have.get(k, 0)) < v]
+    return lacks if float(have.get("CPU", 0)) > 0 else ["CPU", *lacks]
 
 
 def _alive_nodes() -> list[dict[str, Any]]:
     return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeManagerHostname"] + n["NodeID"])
 
 
-# --- on the node ------------------------------------------------------------------------------
-@ray.remote(max_retries=0)
-def _cell_task(tasks: list["Task"], npz: bytes, share: Optional[int], timeout: Optional[float]) -> Iterator[Any]:
-    """Run the cells one after the other on this node, yielding every message ``encode``d. ``share``:
-    the threads of this node's share of CPUs, unless the user set ``--threads``."""
-    from ..results import environment
-
-    node_env = environment()
-    given_up: set["GroupId"] = set()
-    with tempfile.TemporaryDirectory(prefix="benchbackend-ray-") as tmp:
-        data = Path(tmp) / "data.npz"
-        data.write_bytes(npz)
-        for task in tasks:
-            cell = task.cell
-            if cell.group in given_up:
-                continue  # its other repeats would say the same
-            job = task.job.with_data(str(data))
-            job = job.with_threads(job.options.threads or share)
-            python, env = python_for(task.spec), worker_environ(task.spec, job.device, job.options.threads)
-            yield encode(Started(cell, node_env))
-            outcome = yield from _forward(stream(cell, python, env, job, timeout, heartbeat_s=1.0))
-            yield encode(Ended(cell, outcome))
-            if outcome.status == "unavailable":
-                given_up.add(cell.group)
-
-
-def _forward(messages: Any) -> Any:
-    """Yield a worker's messages ``encode``d, a heartbeat only after each ``HEARTBEAT_S`` of silence.
-
-    The stream wakes every second so that a cancellation (KeyboardInterrupt, which Ray delivers
-    only between bytecodes) lands within a second; the stream's own cleanup then kills the worker."""
-    heard = time.monotonic()
+def _ask_autoscaler(bundles: list[dict[str, float]]) -> None:
+    """Ask the cluster's autoscaler for nodes that fit ``bundles`` (``[]`` withdraws the request).
+    Without an autoscaler it is a note nobody reads; it never fails a run."""
     try:
-        while True:
-            try:
-                message = next(messages)
-            except StopIteration as stop:
-                return stop.value
-            if isinstance(message, Heartbeat) and time.monotonic() - heard < HEARTBEAT_S:
-                continue
-            heard = time.monotonic()
-            yield encode(message)
-    finally:
-        messages.close()
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=bundles)
+    except Exception:  # noqa: BLE001 - an optional courtesy to the autoscaler
+        logging.getLogger(__name__).debug("request_resources failed", exc_info=True)

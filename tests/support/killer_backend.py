@@ -1,9 +1,11 @@
 """A backend registered only by the Ray tests: the NumPy reference whose worker, once, kills the
 process that started it (the Ray worker running the task) in its second epoch, as a lost node would.
 
-``KILLER_MARK`` names a file: the first worker to reach its second epoch writes it and kills;
-every later worker finds it and trains normally. ``KILLER_GRACE`` seconds pass before the kill so
-that the first epoch's row has reached the driver (a real fault strikes long after it).
+``KILLER_MARK`` names a file: the first worker to reach its second epoch creates it (atomically:
+workers on two nodes may race), writes the Ray worker's PID into it, and kills; every later worker
+finds it and trains normally. ``KILLER_GRACE`` seconds pass before the kill so that the first
+epoch's row has reached the driver (a real fault strikes long after it), or so that a test can
+remove the node meanwhile.
 """
 from __future__ import annotations
 
@@ -28,9 +30,18 @@ class KillerNumpyBackend(NumpyBackend):
     def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
         self.epochs += 1
         mark = Path(os.environ["KILLER_MARK"])
-        if self.epochs == 2 and not mark.exists():
-            mark.write_text(str(os.getppid()))
+        if self.epochs == 2 and self._first(mark):
             time.sleep(float(os.environ.get("KILLER_GRACE", "2")))
             os.kill(os.getppid(), signal.SIGKILL)
             os._exit(1)
         return super().train_epoch(order)
+
+    @staticmethod
+    def _first(mark: Path) -> bool:
+        try:
+            fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.write(fd, str(os.getppid()).encode())
+        os.close(fd)
+        return True

@@ -1,0 +1,147 @@
+"""The Ray executor on a local multi-node cluster (``ray.cluster_utils.Cluster``): a node lost
+mid-run costs only its cell (crashed, or retried under ``retries``); work waits for a node to join."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from benchbackend import backends, results, runner, workload
+from benchbackend import plan as planning
+from benchbackend.backends import BackendSpec, Mode
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                                    reason="Ray is not installed (pip install 'benchbackend[ray]')")]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head that takes no cells (no CPUs, as on a real cluster), joined by the driver; each test
+    adds the worker nodes it needs, and they are removed after it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    ray.init(address=c.address, logging_level=logging.ERROR, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture
+def nodes(cluster):
+    yield cluster
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node)
+
+
+def _executor(**kwargs):
+    from benchbackend.executors.ray import RayExecutor
+
+    return RayExecutor(**kwargs)
+
+
+def _plan(backend: str, *overrides: dict) -> planning.RunPlan:
+    loaded = [workload.load("mnist").with_overrides(**o) for o in overrides]
+    return planning.RunPlan(workloads=loaded, choices=planning.resolve([backend], [], []), repeats=2,
+                            data_source="synthetic")
+
+
+def _run(tmp_path: Path, plan: planning.RunPlan, executor) -> list:
+    return runner.Runner(plan, executor, results.CsvWriter(tmp_path / "out.csv")).run()
+
+
+def _node_of(ray_worker_pid: int, cluster):
+    """The cluster node whose raylet started the Ray worker ``ray_worker_pid``."""
+    import psutil
+    from ray._private import ray_constants
+
+    raylet = psutil.Process(ray_worker_pid).ppid()
+    for node in cluster.worker_nodes:
+        if node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid == raylet:
+            return node
+    raise AssertionError(f"no worker node's raylet is {raylet}")
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_node_removed_mid_cell_costs_that_cell_only(nodes, tmp_path, monkeypatch, retries):
+    mark = tmp_path / "stalled"
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
+    # The first worker to reach epoch 2 stalls (KILLER_GRACE) until the test removes its node.
+    spec = BackendSpec("killer", "support.killer_backend:KillerNumpyBackend", ("numpy",), "numpy", "(test only)",
+                       "the NumPy reference; its first worker stalls in epoch 2", modes=(Mode("reference", "NumPy"),),
+                       env=lambda device: {"KILLER_MARK": str(mark), "KILLER_GRACE": "300", "PYTHONPATH": path})
+    monkeypatch.setitem(backends.BACKENDS, "killer", spec)
+    for _ in range(2):
+        nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    removed = []
+
+    def remove_the_stalled_node() -> None:
+        deadline = time.monotonic() + 240
+        while not (mark.exists() and mark.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        node = _node_of(int(mark.read_text()), nodes)
+        nodes.remove_node(node, allow_graceful=False)
+        removed.append(node)
+
+    remover = threading.Thread(target=remove_the_stalled_node, daemon=True)
+    remover.start()
+    # Two comparison groups (two definitions): each runs on its own node, side by side.
+    plan = _plan("killer", {"limit": 512, "epochs": 2}, {"limit": 512, "epochs": 3})
+    cells = _run(tmp_path, plan, _executor(retries=retries))
+    remover.join(timeout=1)
+    assert removed, "the stalled cell's node was never removed"
+    statuses = sorted(c.status for c in cells)
+    assert len(cells) == 4  # every cell ended once, whatever its node
+    df = results.read(tmp_path / "out.csv")
+    lost = df[df["status"].isin(["crashed", "retried"])]
+    assert lost[["cell_order", "attempt"]].drop_duplicates().shape[0] == 1  # one attempt was lost
+    order = int(lost["cell_order"].iloc[0])
+    assert lost[lost.phase == "train_epoch"]["epoch"].tolist() == [1]  # streamed before the loss: kept
+    run_row = lost[lost.phase == "run"].iloc[0]
+    assert "Ray" in run_row["message"]
+    if retries:
+        assert statuses == ["ok"] * 4 and set(lost["status"]) == {"retried"}
+        assert "retry 1 of 1" in run_row["message"]
+        again = df[(df.cell_order == order) & (df.attempt == 2)]
+        assert set(again["status"]) == {"ok"}
+        assert again[again.phase == "train_epoch"]["epoch"].tolist() in ([1, 2], [1, 2, 3])
+    else:
+        assert statuses == ["crashed", "ok", "ok", "ok"] and set(lost["status"]) == {"crashed"}
+        assert set(df[df.cell_order == order]["attempt"]) == {1}
+    # Every other cell's rows are all there, once: a full set of epochs each.
+    for (o, attempt), rows in df[df["status"] == "ok"].groupby(["cell_order", "attempt"]):
+        epochs = rows[rows.phase == "train_epoch"]["epoch"].tolist()
+        assert sorted(epochs) == list(range(1, len(epochs) + 1)) and len(epochs) in (2, 3), (o, attempt)
+    # The compared rows leave the lost attempt out.
+    from benchbackend import experiments
+
+    assert not experiments.for_comparison(df)["status"].isin(["retried"]).any()
+
+
+def test_work_waits_for_a_node_to_join_then_runs(nodes, tmp_path):
+    ended: list = []
+    run = threading.Thread(target=lambda: ended.extend(
+        _run(tmp_path, _plan("numpy", {"limit": 512, "epochs": 2}), _executor(wait_for_nodes=120))), daemon=True)
+    run.start()
+    time.sleep(3)
+    assert run.is_alive() and not ended  # no node can take the cells yet: they wait
+    nodes.add_node(num_cpus=1)  # (Ray starts nodes from the main thread only)
+    run.join(timeout=150)
+    assert [c.status for c in ended] == ["ok", "ok"]
+
+
+def test_without_a_node_to_take_it_work_is_unavailable_after_the_wait(nodes, tmp_path):
+    start = time.monotonic()
+    cells = _run(tmp_path, _plan("numpy", {"limit": 256, "epochs": 1}), _executor(wait_for_nodes=2))
+    assert time.monotonic() - start >= 2
+    assert [c.status for c in cells] == ["unavailable"]
+    assert "has CPU (after waiting 2s for nodes to join)" in cells[0].message
