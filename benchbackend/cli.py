@@ -86,8 +86,8 @@ def main() -> None:
               help="Schedule-search budget for tuning modes (tvm:tuned).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per worker before it is killed.")
 @click.option("--preload/--no-preload", default=True, show_default=True,
-              help="Local CPU cells: fork each repeat's fresh worker from a process that imported the backend "
-                   "once (framework import is 1-4 s a cell, untimed); --no-preload starts a new interpreter.")
+              help="CPU cells (here or on a Ray node): fork each repeat's fresh worker from a process that imported "
+                   "the backend once (its import is 1-4 s a cell, untimed); --no-preload starts a new interpreter.")
 @click.option("--executor", "executor_name", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="local: one cell at a time on this machine. ray: cells as Ray tasks on a cluster "
                    "(pip install 'benchbackend[ray]'); a group's repeats run on one node.")

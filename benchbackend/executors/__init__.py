@@ -29,6 +29,6 @@ def make(name: str, address: Optional[str] = None, cells_per_node: Optional[int]
     except ImportError as exc:
         raise ClusterError(f"--executor ray needs Ray ({exc}): pip install 'benchbackend[ray]'") from None
     executor = RayExecutor(address=address, cells_per_node=cells_per_node, allow_mixed_hosts=allow_mixed_hosts,
-                           timeout=timeout, wait_for_nodes=wait_for_nodes, retries=retries)
+                           timeout=timeout, wait_for_nodes=wait_for_nodes, retries=retries, preload=preload)
     executor.connect()
     return executor

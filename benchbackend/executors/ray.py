@@ -1,7 +1,8 @@
 """The Ray executor: the plan's cells as Ray tasks on a cluster's nodes, their messages streamed home.
 
 Each task runs the same worker subprocess as the local executor (``launch.stream``, a fresh
-process per cell, in the backend's interpreter on that node) and yields the worker's messages as
+process per cell, in the backend's interpreter on that node, forked from a preloaded one for CPU
+cells unless ``preload`` is off) and yields the worker's messages as
 they arrive (a streaming generator task, messages ``encode``d without their cell); the driver
 yields them to the runner, which writes them.
 
@@ -108,12 +109,12 @@ class RayExecutor:
 
     def __init__(self, address: Optional[str] = None, cells_per_node: Optional[int] = None,
                  allow_mixed_hosts: bool = False, num_cpus: Optional[int] = None, timeout: Optional[float] = None,
-                 wait_for_nodes: float = 0.0, retries: int = 0):
+                 wait_for_nodes: float = 0.0, retries: int = 0, preload: bool = True):
         if cells_per_node is not None and cells_per_node < 1:
             raise ValueError("cells_per_node must be at least 1")
         if wait_for_nodes < 0 or retries < 0:
             raise ValueError("wait_for_nodes and retries cannot be negative")
-        self.wait_for_nodes, self.retries = wait_for_nodes, retries
+        self.wait_for_nodes, self.retries, self.preload = wait_for_nodes, retries, preload
         self.address = address
         self.cells_per_node = cells_per_node
         self.allow_mixed_hosts = allow_mixed_hosts
@@ -264,7 +265,8 @@ class _Session:
         options: dict[str, Any] = {
             "num_cpus": cpus, "num_gpus": resources.pop("GPU", 0), "resources": resources, "max_retries": 0,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)}
-        gen = cell_task.options(**options).remote(work.tasks, self._data(work), share, self.ex.timeout)
+        gen = cell_task.options(**options).remote(work.tasks, self._data(work), share, self.ex.timeout,
+                                                  self.ex.preload)
         work.node = node["NodeID"]
         self.running[gen] = _Running(work, node["NodeID"], gen)
 

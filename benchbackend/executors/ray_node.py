@@ -104,15 +104,18 @@ def _keep(sha256: str, scratch: Path, write: Any) -> Path:
 
 
 @ray.remote(max_retries=0)
-def cell_task(tasks: list["Task"], source: DataSource, share: Optional[int], timeout: Optional[float]
-              ) -> Iterator[Any]:
+def cell_task(tasks: list["Task"], source: DataSource, share: Optional[int], timeout: Optional[float],
+              preload: bool = True) -> Iterator[Any]:
     """Run the cells one after the other on this node, yielding every message ``encode``d. ``share``:
-    the threads of this node's share of CPUs, unless the user set ``--threads``."""
+    the threads of this node's share of CPUs, unless the user set ``--threads``. With ``preload``,
+    CPU cells' workers are forked from a process that imported the backend once (``preload.py``),
+    as on the local executor."""
+    from ..preload import Preloaders
     from ..results import environment
 
     node_env = environment()
     given_up: set["GroupId"] = set()
-    with tempfile.TemporaryDirectory(prefix="benchbackend-ray-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="benchbackend-ray-") as tmp, Preloaders() as preloaders:
         try:
             path, origin = materialize(source, Path(tmp))
         except Exception as exc:  # noqa: BLE001 - every cell says why, none runs on other data
@@ -128,7 +131,8 @@ def cell_task(tasks: list["Task"], source: DataSource, share: Optional[int], tim
             job = job.with_threads(job.options.threads or share)
             python, env = python_for(task.spec), worker_environ(task.spec, job.device, job.options.threads)
             yield encode(Started(cell, {**node_env, "data_origin": origin}))
-            outcome = yield from _forward(stream(cell, python, env, job, timeout, heartbeat_s=1.0))
+            forked = preloaders if preload and job.device == "cpu" else None
+            outcome = yield from _forward(stream(cell, python, env, job, timeout, heartbeat_s=1.0, preloaders=forked))
             yield encode(Ended(cell, outcome))
             if outcome.status == "unavailable":
                 given_up.add(cell.group)

@@ -1,5 +1,6 @@
 """A backend registered only by the Ray tests: the NumPy reference whose worker, once, kills the
-process that started it (the Ray worker running the task) in its second epoch, as a lost node would.
+Ray worker running its task (its parent, or the preloader's parent) in its second epoch, as a lost
+node would.
 
 ``KILLER_MARK`` names a file: the first worker to reach its second epoch creates it (atomically:
 workers on two nodes may race), writes the Ray worker's PID into it, and kills; every later worker
@@ -32,7 +33,7 @@ class KillerNumpyBackend(NumpyBackend):
         mark = Path(os.environ["KILLER_MARK"])
         if self.epochs == 2 and self._first(mark):
             time.sleep(float(os.environ.get("KILLER_GRACE", "2")))
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(ray_worker(), signal.SIGKILL)
             os._exit(1)
         return super().train_epoch(order)
 
@@ -42,6 +43,25 @@ class KillerNumpyBackend(NumpyBackend):
             fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
-        os.write(fd, str(os.getppid()).encode())
+        os.write(fd, str(ray_worker()).encode())
         os.close(fd)
         return True
+
+
+def ray_worker() -> int:
+    """The PID of the Ray worker this worker runs under: its nearest ancestor that is one."""
+    import psutil
+
+    proc = psutil.Process().parent()
+    while proc is not None and not _is_ray_worker(proc):
+        proc = proc.parent()
+    if proc is None:
+        raise RuntimeError("not running under a Ray worker")
+    return proc.pid
+
+
+def _is_ray_worker(proc) -> bool:
+    try:
+        return proc.name().startswith("ray::") or "default_worker.py" in " ".join(proc.cmdline())
+    except Exception:  # noqa: BLE001 - gone or not ours to read
+        return False
