@@ -1,0 +1,61 @@
+"""Many tiny cells, for the load test (``tests/test_scale.py``) and its benchmark
+(``benchmarks/cells_at_scale.py``): what the driver costs per cell, not what a backend does.
+
+A cell is the NumPy reference on a tiny network (a 4x4 input, one dense layer, 256 generated
+samples, one epoch, two inference passes), in a real worker process: its work is a few
+milliseconds, so the time around it (starting the worker, placing it, streaming its rows home,
+writing them) is what a run of thousands of them measures. ``definitions`` workloads (seeds) make
+as many comparison groups, which the Ray executor spreads over its nodes.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from benchbackend import plan as planning
+from benchbackend import workload
+
+TINY = {
+    "name": "tiny",
+    "description": "load test: a 4x4 input, one dense layer",
+    "seed": 0,
+    "data": {"dataset": "synthetic", "input_shape": [4, 4, 1], "num_classes": 2, "train": 256, "validation": 64,
+             "test": 64},
+    "model": [{"type": "flatten"}, {"type": "dense", "units": 2, "activation": "softmax"}],
+    "training": {"optimizer": "sgd", "lr": 0.5, "loss": "categorical_crossentropy", "batch_size": 32, "epochs": 1},
+    "inference": {"batch_size": 64, "repeats": 2},
+}
+
+
+def plan(folder: Path, cells: int, definitions: int = 4) -> planning.RunPlan:
+    """A plan of ``cells`` cells (``cells / definitions`` repeats of each of ``definitions`` seeds)."""
+    if cells % definitions:
+        raise ValueError(f"{cells} cells do not split into {definitions} definitions")
+    path = Path(folder) / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    loaded = [workload.load(str(path)).with_overrides(seed=seed) for seed in range(definitions)]
+    return planning.RunPlan(workloads=loaded, choices=planning.resolve(["numpy"], [], []),
+                            repeats=cells // definitions, data_source="synthetic")
+
+
+@contextmanager
+def simulated_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[Any]:
+    """A local Ray cluster of ``nodes`` worker nodes (processes on this machine) behind a head that
+    takes no cells, joined by this process; torn down after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=cpus_per_node)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
