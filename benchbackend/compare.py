@@ -7,8 +7,9 @@ by what differs (``mnist (limit 1024)``), with no ratio between them.
 
 Within an experiment every backend (and mode, and precision) is compared with the baseline on its
 per-repeat steady epoch time and per-repeat steady inference time, with one decision rule
-(:mod:`benchbackend.stats`): the speed-up baseline/candidate as a ratio of geometric means, its
-95% interval from Welch's t on log times, and "faster"/"slower" iff that interval leaves 1 out.
+(:mod:`benchbackend.stats`): the speed-up baseline/candidate as the ratio of the medians shown
+beside it, its 95% interval from Welch's t on log times (with a median's standard error), and
+"faster"/"slower" iff that interval leaves 1 out; identical timings on both sides give an exact ratio.
 Only groups whose every repeat is ``ok`` get a verdict or can be the fastest; only ``ok`` repeats
 feed the timings. The text comes from :mod:`benchbackend.tables`.
 

@@ -10,7 +10,7 @@ import pandas as pd
 
 from .experiments import CONTEXT_KEYS, context_name
 from .peaks import TRAIN_FLOPS_FACTOR
-from .stats import CI_LABEL, RANGE_LABEL, Ratio
+from .stats import CI_LABEL, ESTIMATOR, RANGE_LABEL, Ratio
 from .summary import METRICS, TTA
 
 
@@ -86,8 +86,9 @@ def _fixed(x: float, digits: int = 3) -> str:
 
 def _bounds(ratio: float, low: float, high: float) -> tuple[str, str, str]:
     """Ratio and bounds printed with enough digits that the printed bounds stay on their side of 1
-    and the printed ratio between them (3 significant digits unless that would blur it)."""
-    for digits in range(3, 9):
+    and the printed ratio between them (3 significant digits unless that would blur it; up to 17,
+    which tells any two doubles apart, for an exact ratio a hair off 1)."""
+    for digits in range(3, 18):
         r, lo, hi = (_fixed(v, digits) for v in (ratio, low, high))
         fr, flo, fhi = float(r), float(lo), float(hi)
         same_side = (low > 1) == (flo > 1) and (high < 1) == (fhi < 1)
@@ -109,10 +110,11 @@ def ratio_text(r: Ratio) -> str:
 
 
 def convention(baseline: str = "baseline", metric: str = "epoch-time") -> str:
-    """The one convention of every ``vs`` cell, and the metric that ranks training, stated once
-    above the tables."""
-    text = (f"vs {baseline}: speed-up = {baseline}'s time / this time (>1: faster), with its 95% CI "
-            "(Welch's t on log per-repeat times); 'faster'/'slower' only where the CI leaves 1 out. "
+    """The one convention of every ``vs`` cell (its estimator, the columns' own, included), and the
+    metric that ranks training, stated once above the tables."""
+    text = (f"vs {baseline}: speed-up = {baseline}'s time / this time (>1: faster), both the {ESTIMATOR} over "
+            f"repeats shown in the time columns, with its 95% CI (Welch's t on log per-repeat times, with a "
+            f"{ESTIMATOR}'s standard error); 'faster'/'slower' only where the CI leaves 1 out. "
             "Timings come from ok repeats only.")
     if metric == TTA:
         text += ("\nTraining is ranked on time to accuracy: the training seconds (epoch times summed, first "
@@ -291,7 +293,8 @@ def records(groups: pd.DataFrame) -> list[dict[str, Any]]:
 def render(groups: pd.DataFrame, fmt: str, warnings: list[str], metric: str = "epoch-time",
            verdicts: bool = True) -> str:
     """Render ``groups`` (from ``compare.rank``) as table, markdown, csv or json; json holds the
-    metric and the warnings too, the other formats leave the warnings to the caller. A table
+    metric, the estimator (``stats.ESTIMATOR``: of every time and, as their ratio, every speed-up)
+    and the warnings too, the other formats leave the warnings to the caller. A table
     without ``verdicts`` leaves out each section's "fastest correct" line (``verdict_lines``)."""
     if fmt == "table":
         return _text(groups, _aligned, markdown=False, metric=metric, verdicts=verdicts)
@@ -302,7 +305,8 @@ def render(groups: pd.DataFrame, fmt: str, warnings: list[str], metric: str = "e
         pd.DataFrame(records(groups)).to_csv(buf, index=False)
         return buf.getvalue()
     if fmt == "json":
-        return json.dumps({"metric": metric, "groups": records(groups), "warnings": warnings}, indent=2) + "\n"
+        return json.dumps({"metric": metric, "estimator": ESTIMATOR, "groups": records(groups), "warnings": warnings},
+                          indent=2) + "\n"
     raise ValueError(f"unknown format {fmt!r}")
 
 

@@ -119,7 +119,7 @@ def test_true_2x_difference_is_significant_and_about_2x(two_x: Path) -> None:
     assert groups["tensorflow"]["train_verdict"] == "baseline"
     assert out.exit_code == 0 and out.warnings == []
     text = compare.run_compare([str(two_x)], baseline="tensorflow").text
-    assert "faster: 1.98x [1.89-2.07]" in text and "fastest correct (*): training torch" in text
+    assert "faster: 1.96x [1.85-2.07]" in text and "fastest correct (*): training torch" in text
 
 
 def test_one_convention_for_every_line(two_x: Path) -> None:
@@ -170,6 +170,59 @@ def test_three_repeats_can_be_significant(tmp_path: Path) -> None:
     groups, out = groups_json([path], baseline="tensorflow")
     assert groups["torch"]["train_verdict"] == "faster"
     assert not any("fewer than 3" in w for w in out.warnings)
+
+
+def _exact_cells(writer: results.CsvWriter, backend: str, steady: list[float], infer: list[float]) -> None:
+    """One repeat per value: its steady epochs take exactly ``steady[i]`` seconds (the first three
+    times that), its inference passes exactly ``infer[i]``."""
+    for rep, (epoch_s, pass_s) in enumerate(zip(steady, infer), start=1):
+        base = dict(ENV, run_id="run1", workload="mnist", workload_hash="h1", backend=backend,
+                    backend_version="1.0", device="cpu", repeat=rep, status="ok")
+        writer.write(dict(base, phase="build", seconds=0.05, params=1000))
+        for epoch in (1, 2, 3):
+            seconds = 3 * epoch_s if epoch == 1 else epoch_s
+            writer.write(dict(base, phase="train_epoch", epoch=epoch, samples=1000, seconds=seconds,
+                              samples_per_s=1000 / seconds, loss=1.0, val_loss=1.0, val_accuracy=0.9))
+        for n in (1, 2, 3):
+            writer.write(dict(base, phase="inference", **{"pass": n}, samples=500, seconds=pass_s,
+                              samples_per_s=500 / pass_s))
+
+
+def test_identical_timings_on_both_sides_get_an_exact_ratio_and_a_verdict(tmp_path: Path) -> None:
+    """Every repeat of each side timed alike: an exact ratio with a verdict, not 'too few repeats'."""
+    path = tmp_path / "exact.csv"
+    w = results.CsvWriter(path)
+    _exact_cells(w, "tensorflow", [2.0] * 3, [0.5] * 3)
+    _exact_cells(w, "torch", [1.0] * 3, [0.5] * 3)
+    groups, _ = groups_json([path], baseline="tensorflow")
+    torch = groups["torch"]
+    assert torch["train_verdict"] == "faster" and torch["train_text"] == "faster: 2.00x [2.00-2.00]"
+    assert (torch["train_ratio"], torch["train_ratio_low"], torch["train_ratio_high"]) == (2.0, 2.0, 2.0)
+    assert torch["infer_verdict"] == "not significant" and torch["infer_ratio"] == 1.0
+    assert "too few repeats" not in compare.run_compare([str(path)], baseline="tensorflow").text
+
+
+def test_the_ratio_and_the_columns_beside_it_use_one_estimator(tmp_path: Path) -> None:
+    """One slow repeat in five: the time columns are medians over repeats, and the speed-up beside
+    them is the ratio of those medians (a ratio of geometric means would say 2.49x beside 2.00 and
+    1.00); the header and the JSON name the estimator."""
+    path = tmp_path / "outlier.csv"
+    w = results.CsvWriter(path)
+    _exact_cells(w, "tensorflow", [2.0, 2.0, 2.0, 2.0, 6.0], [1.0, 1.0, 1.0, 1.0, 3.0])
+    _exact_cells(w, "torch", [1.0, 0.9, 1.0, 1.1, 1.0], [0.5, 0.45, 0.5, 0.55, 0.5])
+    out = compare.run_compare([str(path)], baseline="tensorflow", fmt="json")
+    data = json.loads(out.text)
+    groups = {g["label"]: g for g in data["groups"]}
+    tf, torch = groups["tensorflow"], groups["torch"]
+    assert torch["train_ratio"] == pytest.approx(tf["steady_s"] / torch["steady_s"]) == pytest.approx(2.0)
+    assert torch["infer_ratio"] == pytest.approx(tf["infer_s"] / torch["infer_s"]) == pytest.approx(2.0)
+    for prefix in ("train", "infer"):
+        assert torch[f"{prefix}_ratio_low"] <= torch[f"{prefix}_ratio"] <= torch[f"{prefix}_ratio_high"]
+    assert data["estimator"] == "median"
+    header = compare.run_compare([str(path)], baseline="tensorflow").text.splitlines()[0]
+    assert "median" in header and "geometric" not in header
+    steady = _column(compare.run_compare([str(path)], baseline="tensorflow").text, "Training", "steady s", "torch")
+    assert float(steady) == pytest.approx(1.0)
 
 
 def test_median_interval_is_labelled_by_what_it_is(tmp_path: Path) -> None:
