@@ -28,7 +28,7 @@ def cluster():
 
     from benchbackend.executors.ray import local_resources
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
              resources=local_resources())
     yield ray
     ray.shutdown()

@@ -2,9 +2,9 @@
 
 Each task runs the same worker subprocess as the local executor (``launch.stream``, a fresh
 process per cell, in the backend's interpreter on that node, forked from a preloaded one for CPU
-cells unless ``preload`` is off) and yields the worker's messages as
-they arrive (a streaming generator task, messages ``encode``d without their cell); the driver
-yields them to the runner, which writes them.
+cells unless ``preload`` is off) and yields the worker's messages as they arrive (a streaming
+generator task, messages ``encode``d without their cell); the driver yields them to the runner,
+which writes them. What runs on the node is ``ray_node.py``.
 
 Placement is decided here, not left to Ray's queue, so that nothing waits forever for a node
 that does not exist:
@@ -17,8 +17,8 @@ that does not exist:
   to that share); a cell on a GPU (``gpu``, ``cuda``, ``cuda:N``, ...) asks ``num_gpus=1``;
 - a backend with an isolated environment needs the custom resource ``benchbackend-env-<name>``,
   which a node advertises (``ray start --resources '{"benchbackend-env-plaidml": 1}'``);
-- a group no live node can take gets an ``unavailable`` cell that says what was missing.
-
+- a group no live node can take gets an ``unavailable`` cell that says what was missing (a node
+  without CPUs takes none);
 - work that no live node can take waits up to ``wait_for_nodes`` seconds for one to join (an
   autoscaler's node, or one that is starting), and asks the autoscaler for it, before its cells
   are called ``unavailable``.
@@ -146,7 +146,9 @@ class RayExecutor:
             if self.address:
                 ray.init(address=self.address, **quiet)
             else:
-                ray.init(num_cpus=self.num_cpus, resources=local_resources(), **quiet)
+                # "local": a new cluster, even where another runs on this machine (ray.init() would join
+                # the last one started here, e.g. by `ray start` or a test's cluster).
+                ray.init(address="local", num_cpus=self.num_cpus, resources=local_resources(), **quiet)
         except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
             where = f"the Ray cluster at {self.address}" if self.address else "a local Ray cluster"
             raise ClusterError(f"cannot join {where}: {str(exc).strip().splitlines()[0]}") from None
