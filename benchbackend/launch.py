@@ -238,6 +238,7 @@ def _parse(cell: "Cell", line: str, state: _State) -> Optional[Message]:
     if kind == "info":
         return Info(cell, backend_version=str(msg.get("backend_version", "")), device=str(msg.get("device", "")),
                     gpu=str(msg.get("gpu", "")), python=str(msg.get("python", "")), threads=msg.get("threads"),
+                    math_mode=str(msg.get("math_mode", "")),
                     environment={k: str(msg[k]) for k in ("host", "os", "cpu") if msg.get(k)})
     if kind == "peak":
         return Peak(cell, float(msg["flops"]), str(msg.get("source", "")), str(msg.get("cache_key", "")))

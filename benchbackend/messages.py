@@ -45,11 +45,12 @@ class Info:
     python: str
     threads: Optional[int]
     environment: Mapping[str, str]
+    math_mode: str = ""  # what the cell set for its float32 math (``backends/precision.py``)
 
     def columns(self) -> dict[str, Any]:
         """The CSV columns this fills on every later row of the cell."""
         return {"backend_version": self.backend_version, "device": self.device, "gpu": self.gpu,
-                "python": self.python, "threads": self.threads, **self.environment}
+                "python": self.python, "threads": self.threads, "math_mode": self.math_mode, **self.environment}
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,9 @@ def resolve(names: list[str], modes: list[str], precisions: list[str], device: s
             for precision in wanted_precisions[s.name]:
                 problem = "" if precision in s.precisions else (
                     f"{s.name} has no precision {precision}; it has {', '.join(s.precisions)}")
+                if precision == "tf32" and not problem and device == "cpu":
+                    problem = (f"tf32 is a math mode of NVIDIA GPUs (compute capability 8.0 or newer); --device "
+                               f"{device} has none: use --precision fp32")
                 if not s.accepts(device):
                     problem = f"{s.name} does not take --device {device}; it takes {', '.join(s.devices)}"
                 out.append(Choice(s.name, mode, precision, problem))

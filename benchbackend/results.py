@@ -48,8 +48,9 @@ EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "f
                  # schema 5: which attempt of the cell the row belongs to (1, or 2... after ``--retries``
                  # ran a cell again whose node was lost; the lost attempt's rows read ``retried``),
                  # the checksum of the cell's arrays (``data.checksum``) and where its worker found
-                 # them (``data_origin``: local, node-cache, generated, shared-path, fetched)
-                 "attempt", "data_sha256", "data_origin"]
+                 # them (``data_origin``: local, node-cache, generated, shared-path, fetched); the
+                 # cell's float32 math mode as set (``math_mode``: ieee, tf32; backends/precision.py)
+                 "attempt", "data_sha256", "data_origin", "math_mode"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")

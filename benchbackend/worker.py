@@ -150,7 +150,7 @@ def run_job(job: Job, emit: Emit) -> None:
     emit({"type": "info", **environment(), "backend_version": backend.version(),
           "device": canonical_device(backend.device_id()),
           "mode": backend.mode, "precision": backend.precision, "gpu": backend.gpu_name(),
-          "python": platform.python_version(), "threads": _threads(backend, job)})
+          "python": platform.python_version(), "threads": _threads(backend, job), "math_mode": backend.math_mode()})
     try:
         params, seconds = cell.region(lambda: backend.build(weights), host=False)
     except BackendUnavailable as exc:  # e.g. a GPU provider that only fails to load at build time

@@ -143,6 +143,9 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     # relative, 1e-2..5e-2 absolute. These bounds sit >= 4x above the first and >= 5x below the second.
     "bf16": Tolerance(rtol=1e-2, atol=2e-3),
     "fp16": Tolerance(rtol=1e-2, atol=1e-3),
+    # Not measured (no GPU here): fp16's bounds, since TF32 rounds inputs to fp16's 10-bit
+    # mantissa (and accumulates in fp32).
+    "tf32": Tolerance(rtol=1e-2, atol=1e-3),
 }
 
 
@@ -155,7 +158,7 @@ class ChecksSpec(_Strict):
     parity_rtol: float = Field(default=1e-4, gt=0.0)
     parity_atol: float = Field(default=1e-5, ge=0.0)
     parity_batch: int = Field(default=8, gt=0)
-    parity_tolerance: dict[Literal["fp64", "bf16", "fp16"], Tolerance] = Field(
+    parity_tolerance: dict[Literal["fp64", "tf32", "bf16", "fp16"], Tolerance] = Field(
         default_factory=dict, description="per-precision overrides of the defaults (fp32: parity_rtol/atol)")
     trajectory_rtol: float = Field(default=1e-3, gt=0.0,
                                    description="--parity-steps: relative loss difference allowed per step")

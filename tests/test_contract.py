@@ -125,6 +125,9 @@ def test_every_registered_backend_runs_an_inference_only_cell_with_parity(name, 
     assert r.returncode == 0 and set(df["status"]) == {"ok"}, r.stderr[-2000:]
     assert set(df["phase"]) <= {"build", "tune", "parity", "inference", "run"} and (df.phase == "inference").sum() == 5
     assert df[df.phase == "parity"]["parity_max_rel"].iloc[0] < 1e-4
+    # The precision rule (backends/precision.py): fp32 is strict IEEE wherever the backend says so.
+    declares = {"numpy", "torch", "tensorflow", "jax", "keras-jax", "keras-torch"}
+    assert set(df["math_mode"]) == ({"ieee"} if name in declares else {""})
 
 
 def _methods(spec: backends.BackendSpec) -> set[str]:

@@ -56,7 +56,7 @@ def test_types_defaults_and_allowed_values_are_the_models() -> None:
     conv = text.split("`type: conv2d`", 1)[1]
     assert _row(conv, "", "stride")[1:3] == ["integer", "`1`"]  # `stride`, not `strides`
     assert "`relu`" in _row(conv, "", "activation")[3] and "`softmax`" in _row(conv, "", "activation")[3]
-    assert _row(text, "checks", "parity_tolerance")[3] == "keys: `fp64`, `bf16`, `fp16`"
+    assert _row(text, "checks", "parity_tolerance")[3] == "keys: `fp64`, `tf32`, `bf16`, `fp16`"
     assert _row(text, "(top level)", "name")[3].endswith("matches `^[A-Za-z0-9._-]+$`")
 
 

@@ -20,6 +20,8 @@ def _tf_env(device: str) -> dict[str, str]:
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = "-1"  # hide GPUs so TensorFlow places nothing there
+    else:  # the memory rule: grow as needed instead of taking the whole GPU; cuDNN autotuning on
+        env.update(TF_FORCE_GPU_ALLOW_GROWTH="true", TF_CUDNN_USE_AUTOTUNE="1")
     return env
 
 
@@ -28,8 +30,9 @@ def _torch_env(device: str) -> dict[str, str]:
 
 
 def _jax_env(device: str) -> dict[str, str]:
-    # A cpu cell never starts JAX's GPU backend (which would claim 75% of the GPU's memory).
-    return {"JAX_PLATFORMS": "cpu"} if device == "cpu" else {}
+    # A cpu cell never starts JAX's GPU backend; elsewhere the memory rule: allocate as needed
+    # (XLA's client would otherwise take 75% of the GPU's memory at start).
+    return {"JAX_PLATFORMS": "cpu"} if device == "cpu" else {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 def _keras_jax_env(device: str) -> dict[str, str]:
@@ -71,30 +74,32 @@ BACKENDS: dict[str, BackendSpec] = {
                                                  "layout)"),
                            Mode("compile", "torch.compile of the model (inductor, static shapes); compiling lands "
                                            "in the first epoch")),
-                    precisions=("fp32", "bf16", "fp16"), env=_torch_env, extra="torch",
+                    precisions=("fp32", "tf32", "bf16", "fp16"), env=_torch_env, extra="torch",
                     devices=("cpu", *_GPU), capabilities=_PROBING),
         BackendSpec("tensorflow", _adapter("tensorflow", "TensorFlowBackend"), ("tensorflow", "keras"),
                     "tensorflow-cpu", "pip install 'benchbackend[tensorflow]' (tensorflow on GPU machines)",
                     "TensorFlow 2 / Keras 3 (CPU, GPU)",
                     modes=(Mode("tf.function", "Keras 3 model, a traced tf.function train step per batch shape"),
                            Mode("xla", "the same train/predict steps compiled by XLA (jit_compile=True)")),
-                    precisions=("fp32", "bf16"), env=_tf_env, extra="tensorflow",
+                    precisions=("fp32", "tf32", "bf16"), env=_tf_env, extra="tensorflow",
                     devices=("cpu", *_GPU, "/GPU:N"), capabilities=_PROBING),
         BackendSpec("jax", _adapter("jax", "JaxBackend"), ("jax",), "jax", "pip install 'benchbackend[jax]'",
                     "JAX / XLA (CPU; GPU with jax[cuda12]; TPU with jax[tpu])",
                     modes=(Mode("jit", "lax/jnp layers, one jitted train step per batch"),
                            Mode("scan", "K train steps per dispatch in lax.scan (K = --steps-per-execution)")),
-                    precisions=("fp32", "bf16"), env=_jax_env, extra="jax", devices=("cpu", *_GPU, "tpu", "tpu:N"),
+                    precisions=("fp32", "tf32", "bf16"), env=_jax_env, extra="jax",
+                    devices=("cpu", *_GPU, "tpu", "tpu:N"),
                     capabilities=Capabilities(peak_probe=True)),
         BackendSpec("keras-jax", _adapter("keras3", "KerasJaxBackend"), ("keras", "jax"), "keras",
                     "pip install 'benchbackend[keras3]'", "Keras 3 on JAX (CPU, GPU, TPU)",
                     modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, jit_compile per Keras default "
                                        "(XLA)"),),
-                    env=_keras_jax_env, extra="keras3", devices=("cpu", *_GPU, "tpu", "tpu:N")),
+                    precisions=("fp32", "tf32"), env=_keras_jax_env, extra="keras3",
+                    devices=("cpu", *_GPU, "tpu", "tpu:N")),
         BackendSpec("keras-torch", _adapter("keras3", "KerasTorchBackend"), ("keras", "torch"), "keras",
                     "pip install 'benchbackend[keras3,torch]' torch==2.13.0", "Keras 3 on PyTorch (CPU, CUDA)",
                     modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, eager torch per Keras default"),),
-                    env=_keras_torch_env, extra="keras3", devices=("cpu", *_GPU)),
+                    precisions=("fp32", "tf32"), env=_keras_torch_env, extra="keras3", devices=("cpu", *_GPU)),
         BackendSpec("onnxruntime", _adapter("onnxruntime", "OnnxRuntimeBackend"), ("onnxruntime", "onnx"),
                     "onnxruntime", "pip install 'benchbackend[onnxruntime]' (onnxruntime-gpu on CUDA machines)",
                     "ONNX Runtime on the spec's ONNX graph (CPU, CUDA)",

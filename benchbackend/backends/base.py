@@ -85,6 +85,11 @@ class Backend(ABC):
         """Human name of the GPU in use, or "" on CPU."""
         return ""
 
+    def math_mode(self) -> str:
+        """The math mode of this cell's float32 matmuls and convolutions, as set
+        (``backends/precision.py``): ``ieee`` or ``tf32``; "" for a backend that does not declare it."""
+        return ""
+
     def details(self) -> dict[str, Any]:
         """Extra facts for the ``notes`` of the build row (a compile target, the precision
         actually used by a runtime, ...). Values are short strings."""

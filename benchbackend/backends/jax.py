@@ -35,6 +35,7 @@ from ..model import kernel_mask, trainable_mask
 from ..workload import Workload
 from .base import Backend, gemm_rate, gpu_index
 from .jax_graph import Params, make_forward
+from .precision import capability_of, check_tf32, math_mode
 
 _INSTALL = {"gpu": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]' (on a Cloud TPU VM)"}
 DEFAULT_STEPS_PER_EXECUTION = 32
@@ -104,6 +105,18 @@ def _split(n: int, batch: int, k: int) -> tuple[int, int, int]:
     return blocks, full - blocks * k, n - full * batch
 
 
+def set_math(device: Any, precision: str, backend: str) -> str:
+    """The precision rule (``backends/precision.py``) in JAX: the default precision of every matmul
+    and convolution traced after it, ``highest`` (IEEE fp32; XLA's GPU default is TF32 on Ampere+)
+    or ``tensorfloat32`` for ``tf32`` on a GPU that has it. Shared by jax and keras-jax."""
+    if precision == "tf32":
+        gpu = device.platform == "gpu"
+        check_tf32(backend, str(device.device_kind) if gpu else None,
+                   capability_of(getattr(device, "compute_capability", None)) if gpu else None, device.platform)
+    jax.config.update("jax_default_matmul_precision", "tensorfloat32" if precision == "tf32" else "highest")
+    return math_mode(precision)
+
+
 class JaxBackend(Backend):
     name = "jax"
 
@@ -113,8 +126,9 @@ class JaxBackend(Backend):
         self.device = jax_device(device, self.name)
         if mode not in ("jit", "scan"):
             raise BackendUnavailable(f"jax: unknown mode '{mode}'; use jit or scan")
-        if precision not in ("fp32", "bf16"):
-            raise BackendUnavailable(f"jax: precision '{precision}' is not supported; use fp32 or bf16")
+        if precision not in ("fp32", "tf32", "bf16"):
+            raise BackendUnavailable(f"jax: precision '{precision}' is not supported; use fp32, tf32 or bf16")
+        self.math = set_math(self.device, precision, self.name)
         spe = self.options.get("steps_per_execution") or DEFAULT_STEPS_PER_EXECUTION
         self.k = int(spe) if mode == "scan" else 1
         if self.k < 1:
@@ -141,6 +155,9 @@ class JaxBackend(Backend):
     def gpu_name(self) -> str:
         return "" if self.device.platform == "cpu" else str(self.device.device_kind)
 
+    def math_mode(self) -> str:
+        return self.math
+
     def details(self) -> dict[str, Any]:
         out = {"platform": self.device.platform}
         if self.mode == "scan":
@@ -153,7 +170,7 @@ class JaxBackend(Backend):
     def gemm_peak(self, precision: str) -> float:
         """Best FLOP/s of a jitted square matmul in ``precision`` on this device, waited for
         (n 2048 and 4096 on CPU, 8192 elsewhere; a few seconds)."""
-        dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+        dtype = {"fp32": jnp.float32, "tf32": jnp.float32, "bf16": jnp.bfloat16}[precision]
         matmul = jax.jit(jnp.matmul)
 
         def make(n: int, reps: int) -> Callable[[], None]:

@@ -41,14 +41,19 @@ class KerasBackend(Backend):
                                      f"KERAS_BACKEND={self.framework} set before keras is imported")
         if mode != "fit":
             raise BackendUnavailable(f"{self.name}: unknown mode '{mode}'; use fit")
-        if precision != "fp32":
-            raise BackendUnavailable(f"{self.name}: precision '{precision}' is not supported; use fp32")
+        if precision not in ("fp32", "tf32"):
+            raise BackendUnavailable(f"{self.name}: precision '{precision}' is not supported; use fp32 or tf32")
         self.device = self._resolve_device(device)
+        self.math = self._set_math(precision)  # the framework's flags: Keras has none of its own
         self.model: Optional[keras.Model] = None
         self.net: Optional[KerasNet] = None
 
     # --- per framework ------------------------------------------------------------------------
     def _resolve_device(self, device: str) -> str:
+        raise NotImplementedError
+
+    def _set_math(self, precision: str) -> str:
+        """The precision rule (``backends/precision.py``) in the framework under Keras."""
         raise NotImplementedError
 
     # --- identity -----------------------------------------------------------------------------
@@ -68,6 +73,9 @@ class KerasBackend(Backend):
 
     def device_id(self) -> str:
         return self.device
+
+    def math_mode(self) -> str:
+        return self.math
 
     # --- model --------------------------------------------------------------------------------
     def _compiled(self, dropout: bool, weights: Sequence[np.ndarray]) -> KerasNet:
@@ -134,8 +142,14 @@ class KerasJaxBackend(KerasBackend):
         dev = jax_device(device, self.name)
         # Keras on JAX puts variables and steps on JAX's default device.
         jax.config.update("jax_default_device", dev)
+        self._dev = dev
         self._gpu = "" if dev.platform == "cpu" else str(dev.device_kind)
         return "cpu" if dev.platform == "cpu" else f"{dev.platform}:{dev.id}"
+
+    def _set_math(self, precision: str) -> str:
+        from .jax import set_math
+
+        return set_math(self._dev, precision, self.name)
 
     @classmethod
     def _devices(cls) -> list[str]:
@@ -168,6 +182,13 @@ class KerasTorchBackend(KerasBackend):
             raise BackendUnavailable(f"{self.name}: Keras placed itself on torch device '{actual}'; "
                                      f"set KERAS_TORCH_DEVICE={want} before keras is imported")
         return want
+
+    def _set_math(self, precision: str) -> str:
+        import torch
+
+        from .torch import set_math
+
+        return set_math(torch.device(self.device), precision, self.name)
 
     @classmethod
     def _devices(cls) -> list[str]:

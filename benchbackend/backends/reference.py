@@ -22,6 +22,7 @@ gradient is the sum over every layer that reads its output.
 from __future__ import annotations
 
 import importlib.util
+import os
 from types import ModuleType
 from typing import Any, Mapping, Optional, Sequence
 
@@ -313,6 +314,10 @@ class NumpyBackend(Backend):
 
     def device_id(self) -> str:
         return "cpu" if self.xp is np else f"cuda:{self.xp.cuda.Device().id}"
+
+    def math_mode(self) -> str:
+        # NumPy is IEEE; CuPy runs float32 matmuls in TF32 only when CUPY_TF32=1 is set.
+        return "tf32" if self.xp is not np and os.environ.get("CUPY_TF32") == "1" else "ieee"
 
     def gpu_name(self) -> str:
         if self.xp is np:

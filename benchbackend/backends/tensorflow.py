@@ -1,8 +1,9 @@
 """TensorFlow adapter: a Keras 3 model trained by a compiled ``tf.function`` step over in-memory tensors.
 
 Modes: ``tf.function`` (graph step, TF's own kernels) and ``xla`` (the same steps with
-``jit_compile=True``). Precisions: ``fp32``; ``bf16`` through Keras' ``mixed_bfloat16`` policy,
-per layer (float32 variables, bfloat16 compute; the final softmax and the loss in float32).
+``jit_compile=True``). Precisions: ``fp32`` (strict: TF32 off, see ``precision.py``); ``tf32`` (an
+Ampere or newer GPU); ``bf16`` through Keras' ``mixed_bfloat16`` policy, per layer (float32
+variables, bfloat16 compute; the final softmax and the loss in float32).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from ..errors import BackendUnavailable
 from ..workload import Workload
 from .base import Backend, gemm_rate, gpu_index
 from .keras_layers import KerasNet, keras3_build, keras3_optimizer
+from .precision import capability_of, check_tf32, math_mode
 
-_POLICY = {"fp32": "float32", "bf16": "mixed_bfloat16"}
+_POLICY = {"fp32": "float32", "tf32": "float32", "bf16": "mixed_bfloat16"}
 
 
 class _PolicyLayers:
@@ -55,7 +57,14 @@ class TensorFlowBackend(Backend):
                 raise BackendUnavailable(f"tensorflow sees {len(gpus)} GPU(s); there is no GPU {index}")
             self.device = f"/GPU:{index}"
         if precision not in _POLICY:
-            raise BackendUnavailable(f"tensorflow: precision '{precision}' is not supported; use fp32 or bf16")
+            raise BackendUnavailable(f"tensorflow: precision '{precision}' is not supported; use fp32, tf32 or bf16")
+        if precision == "tf32":
+            details = self._gpu_details()
+            check_tf32(self.name, details.get("device_name", "gpu") if details is not None else None,
+                       capability_of(details.get("compute_capability")) if details is not None else None)
+        # TF32 is on by default on Ampere+ GPUs: the precision rule (precision.py) sets it either way.
+        tf.config.experimental.enable_tensor_float_32_execution(precision == "tf32")
+        self.math = math_mode(precision)
         self.policy = _POLICY[precision]
         self.jit = mode == "xla"
 
@@ -70,14 +79,25 @@ class TensorFlowBackend(Backend):
     def device_id(self) -> str:
         return self.device.strip("/").lower()
 
-    def gpu_name(self) -> str:
+    def _gpu_details(self) -> dict[str, Any] | None:
+        """TensorFlow's details of the GPU in use (name, compute capability); None on the CPU."""
         if not self.device.startswith("/GPU"):
-            return ""
+            return None
         gpu = tf.config.list_physical_devices("GPU")[int(self.device.rpartition(":")[2])]
-        return tf.config.experimental.get_device_details(gpu).get("device_name", "gpu")
+        return dict(tf.config.experimental.get_device_details(gpu))
+
+    def gpu_name(self) -> str:
+        details = self._gpu_details()
+        return "" if details is None else str(details.get("device_name", "gpu"))
+
+    def math_mode(self) -> str:
+        return self.math
 
     def details(self) -> dict[str, Any]:
-        return {"dtype_policy": self.policy} if self.policy != "float32" else {}
+        out: dict[str, Any] = {"dtype_policy": self.policy} if self.policy != "float32" else {}
+        if self.device.startswith("/GPU"):
+            out["cudnn_autotune"] = "on" if os.environ.get("TF_CUDNN_USE_AUTOTUNE", "1") != "0" else "off"
+        return out
 
     # --- model ------------------------------------------------------------------------------
     def _net(self, dropout: bool = True) -> KerasNet:
@@ -197,7 +217,7 @@ class TensorFlowBackend(Backend):
     def gemm_peak(self, precision: str) -> float:
         """Best FLOP/s of a square matmul in ``precision``, synced (n 2048 and 4096 on CPU, 8192 on
         GPU; a few seconds). Eager ops, not a tf.function: grappler would merge identical matmuls."""
-        dtype = {"fp32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}[precision]
+        dtype = {"fp32": tf.float32, "tf32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}[precision]
 
         def make(n: int, reps: int) -> Any:
             with tf.device(self.device):

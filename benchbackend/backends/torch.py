@@ -4,8 +4,9 @@ Modes: ``eager`` (NCHW, the default), ``channels_last`` (model and inputs in
 ``torch.channels_last``, oneDNN's preferred layout on CPU) and ``compile`` (``torch.compile`` of
 the model; the optimizer step stays eager, as its per-step Keras epsilon would recompile a
 compiled step). Modes combine with ``+`` (``compile+channels_last``) for benchmarks. Precisions:
-``fp32``; ``bf16`` (``torch.autocast``, fp32 master weights and optimizer state); ``fp16``
-(autocast with a ``GradScaler``, CUDA only).
+``fp32`` (strict: TF32 off, see ``precision.py``); ``tf32`` (CUDA, Ampere or newer); ``bf16``
+(``torch.autocast``, fp32 master weights and optimizer state); ``fp16`` (autocast with a
+``GradScaler``, CUDA only).
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from ..model import from_nchw_weights, to_nchw_weights
 from ..workload import Workload
 from ._numpy_ops import keras_adam_step_size
 from .base import Backend, gemm_rate, gpu_index
+from .precision import check_tf32, math_mode
 from .torch_graph import GraphNet, count
 
-_AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_AMP = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Distinct graphs torch.compile may keep per cell: train/eval x every batch shape (training,
 #: short last batch, parity, validation, inference). Past dynamo's default (8) it would silently
 #: fall back to eager.
@@ -48,6 +50,23 @@ def cuda_device(device: str, backend: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+def set_math(device: torch.device, precision: str, backend: str) -> str:
+    """The precision rule (``backends/precision.py``) in torch, through its fp32_precision API (the
+    legacy ``allow_tf32`` flags cannot be mixed with it): float32 matmuls and cuDNN convolutions
+    and RNNs in IEEE fp32, or TF32 for ``tf32`` on a GPU that has it; cuDNN autotuning on. Returns
+    the math mode. Shared by torch and keras-torch."""
+    if precision == "tf32":
+        on_gpu = device.type == "cuda"
+        check_tf32(backend, torch.cuda.get_device_name(device) if on_gpu else None,
+                   torch.cuda.get_device_capability(device) if on_gpu else None, str(device))
+    mode = "tf32" if precision == "tf32" else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = mode
+    torch.backends.cudnn.conv.fp32_precision = mode
+    torch.backends.cudnn.rnn.fp32_precision = mode
+    torch.backends.cudnn.benchmark = True
+    return math_mode(precision)
+
+
 class TorchBackend(Backend):
     name = "torch"
 
@@ -58,7 +77,8 @@ class TorchBackend(Backend):
             torch.set_num_threads(int(self.options["threads"]))
         self.device = cuda_device(device, self.name)
         if precision not in _AMP:
-            raise BackendUnavailable(f"torch: precision '{precision}' is not supported; use fp32, bf16 or fp16")
+            raise BackendUnavailable(f"torch: precision '{precision}' is not supported; use fp32, tf32, bf16 or fp16")
+        self.math = set_math(self.device, precision, self.name)
         if precision == "fp16" and self.device.type != "cuda":
             # CPU autocast has float16 kernels for few ops and GradScaler is a CUDA tool: bf16 is
             # the CPU's reduced precision.
@@ -88,8 +108,11 @@ class TorchBackend(Backend):
     def threads(self) -> int:
         return torch.get_num_threads()
 
+    def math_mode(self) -> str:
+        return self.math
+
     def details(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"cudnn_autotune": "on"} if self.device.type == "cuda" else {}
         if self.device.type == "cpu":
             out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
             if self.amp_dtype is torch.bfloat16:
@@ -105,7 +128,8 @@ class TorchBackend(Backend):
     def gemm_peak(self, precision: str) -> float:
         """Best FLOP/s of a square matmul in ``precision``, synced (n 2048 and 4096 on CPU, 8192 on
         GPU; a few seconds). Inputs are of the precision's dtype (no autocast), as a GEMM peak is."""
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        # tf32: float32 inputs, the matmul in TF32 (set by ``set_math``): the peak of what the cell runs.
+        dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         gen = torch.Generator(device=self.device).manual_seed(0)
 
         def make(n: int, reps: int) -> Any:
