@@ -1,15 +1,20 @@
 """The GEMM-peak cache behind MFU: keyed by thread count, never lowered by a new probe, and an
-entry that a run shows to be too low (a timed row above 100% MFU) is dropped and probed again."""
+entry that a run shows to be too low (a timed row above 100% MFU) is dropped and probed again; and
+each framework's probe reads within a few times of NumPy's own matmul on the same machine."""
 from __future__ import annotations
 
+import importlib
 import json
+import math
+import time
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from benchbackend import backends, peaks, results
 from benchbackend.cli import main
-from conftest import ROOT
+from conftest import ROOT, backend_params
 
 LOW = backends.BackendSpec("lowpeak", "support.lazy_backend:LowPeakNumpyBackend", ("numpy",), "numpy", "(test only)",
                            "the NumPy reference whose GEMM probe reads too low",
@@ -55,3 +60,80 @@ def test_a_peak_shown_too_low_by_a_run_is_flagged_and_probed_again_next_run(tmp_
     second = _run(tmp_path, tmp_path / "b.csv")
     assert second.exit_code == 0, second.output
     assert calls.read_text().split() == ["fp32", "fp32"]  # measured again, not read from the cache
+
+
+def _numpy_rate(n: int, budget_s: float = 1.5) -> float:
+    """FLOP/s of NumPy's float32 n x n matmul on this machine now: the best of at least 3 timed
+    calls after a warm-up, more (up to 10) while under ``budget_s``. Measured here, independently of
+    ``base.gemm_rate``, so that an error in the probe's own arithmetic cannot cancel out."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.random((n, n), dtype=np.float32) for _ in range(2))
+    a @ b
+    best, spent = float("inf"), 0.0
+    for trial in range(10):
+        t0 = time.perf_counter()
+        a @ b
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+        if trial >= 2 and spent > budget_s:
+            break
+    return 2.0 * n ** 3 / best
+
+
+#: How far a correct fp32 probe may read from NumPy's matmul at the sizes it timed: each framework's
+#: own BLAS (oneDNN, Eigen, XLA) against NumPy's OpenBLAS. Measured on a loaded 2-core CPU at
+#: 0.76x-1.3x (n=2048); a unit error of 10x in either direction lands outside with room for noise.
+GEMM_VS_NUMPY = (1 / 3, 3.0)
+#: Probes per adapter before the test gives up (noise is not a unit error: that is off on every try).
+GEMM_TRIES = 3
+#: The pilot matmul that sizes the probe, pinned for this test. From 256 a loaded machine (one of
+#: the pool's threads descheduled for a time slice) could read it 10-50x low, and the probe then
+#: timed 512 x 512, where one call is shorter than a time slice and NumPy itself reads anywhere from
+#: 11 to 200 GFLOP/s on a 2-core CPU: no bound could tell a 10x error there. ``gemm_rate`` now doubles
+#: its pilot while the next size fits; pinned at 1024, the probe times 2048 or more, where both read
+#: within 2x of each other.
+PILOT_N = 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", backend_params(n for n, s in backends.BACKENDS.items() if s.capabilities.peak_probe))
+def test_the_gemm_probe_reads_what_numpy_measures_at_the_same_sizes(name, monkeypatch):
+    """The probe of each adapter that declares one (fp32, CPU, its default mode) against NumPy's own
+    float32 matmul timed here at the sizes the probe timed (``gemm_rate`` picks them from a pilot
+    matmul, so they differ by load and machine). Not a speed test: a sanity bound against the same
+    machine, which a FLOP count, a repetition count or a unit off by 10x fails."""
+    from benchbackend import workload
+    from benchbackend.backends import base
+
+    spec = backends.get(name)
+    w = workload.load("mnist").with_overrides(limit=512, epochs=1)
+    b = spec.load_class()(w, "cpu", spec.modes[0].name)
+    bf16 = b.gemm_peak("bf16")  # emulated on many CPUs (100x slower is possible): no lower bound
+    assert math.isfinite(bf16) and 0 < bf16 < 1e16  # above 10 PFLOP/s on one device is a unit error
+
+    module = importlib.import_module(spec.target.partition(":")[0])
+    sizes: list[int] = []
+    real = module.gemm_rate
+
+    def recording(make, *args, **kwargs):
+        def make_and_record(n, reps):
+            sizes.append(n)
+            return make(n, reps)
+        return real(make_and_record, *args, **kwargs)
+
+    monkeypatch.setattr(module, "gemm_rate", recording)
+    monkeypatch.setattr(base, "_PILOT_N", PILOT_N)
+    low, high = GEMM_VS_NUMPY
+    readings = []
+    for _ in range(GEMM_TRIES):
+        sizes.clear()
+        flops = b.gemm_peak("fp32")
+        timed = sorted(set(sizes[1:]))  # the first is the pilot that sized the probe
+        assert math.isfinite(flops) and timed, (flops, sizes)
+        numpy_flops = max(_numpy_rate(n) for n in timed)
+        readings.append(f"{name} probe {flops / 1e9:.3g} GFLOP/s, NumPy {numpy_flops / 1e9:.3g} GFLOP/s at n={timed}")
+        if low * numpy_flops <= flops <= high * numpy_flops:
+            break
+    else:
+        pytest.fail(f"not within {low:.2g}x-{high:.2g}x of NumPy in {GEMM_TRIES} tries: " + "; ".join(readings))
+    print("; ".join(readings))

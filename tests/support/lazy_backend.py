@@ -1,10 +1,16 @@
-"""A backend registered only by the tests: the NumPy reference on a simulated asynchronous device.
+"""Backends registered only by the tests: the NumPy reference on a simulated asynchronous device.
 
-Every call that "launches device work" (``scores``, ``train_epoch``) returns at once with its
-result, but the simulated device stays busy for ``LAZY_DELAY`` seconds (env var) afterwards; only
-``sync`` waits for it, as ``torch.cuda.synchronize`` or JAX's ``block_until_ready`` would.
-``to_host`` does not wait (a non-blocking copy). A harness that reads the clock without the
-backend's sync therefore under-measures by the delay.
+``LazyNumpyBackend``: every call that "launches device work" (``scores``, ``train_epoch``) returns
+at once with its result, but the simulated device stays busy for ``LAZY_DELAY`` seconds (env var)
+afterwards; only ``sync`` waits for it, as ``torch.cuda.synchronize`` or JAX's
+``block_until_ready`` would. ``to_host`` does not wait (a non-blocking copy). A harness that reads
+the clock without the backend's sync therefore under-measures by the delay (real time: it runs
+through ``benchbackend run`` in a worker process).
+
+``SyncDevice`` and ``ToHostDevice``: the same on a virtual clock (``CLOCK``), the device work paid
+in ``sync`` or in ``to_host``, for exact tests of what a timed region includes (see below).
+
+``LowPeakNumpyBackend``: a GEMM probe that reads far too low.
 """
 from __future__ import annotations
 
@@ -56,3 +62,81 @@ class LowPeakNumpyBackend(NumpyBackend):
             with open(calls, "a") as f:
                 f.write(precision + "\n")
         return 1e3  # 1 kFLOP/s
+
+
+# --- a simulated device on a virtual clock -------------------------------------------------------
+# The tests of the worker's timed regions replace ``timing.clock`` with ``CLOCK``: only the simulated
+# device's work advances it, so a region reads exactly the device seconds it waited for and none of
+# the host's own compute. What a region includes is then decided exactly, not by how loaded the
+# machine is (a real-clock test with a 0.4 s delay cannot tell a missing wait from a slow host).
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wait_until(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+
+CLOCK = VirtualClock()
+#: Virtual seconds of device work behind every ``scores`` and ``train_epoch`` call.
+DEVICE_SECONDS = 0.5
+
+
+class SyncDevice(NumpyBackend):
+    """Results come back at once as host arrays, but the device stays busy ``DEVICE_SECONDS`` after
+    each call: only ``sync`` waits for it (a CUDA stream; ``to_host`` a non-blocking copy)."""
+
+    name = "lazy-sync"
+    busy_until = 0.0
+
+    def scores(self, x: Any, batch_size: int) -> Any:
+        out = super().scores(x, batch_size)
+        self.busy_until = CLOCK() + DEVICE_SECONDS
+        return out
+
+    def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
+        out = super().train_epoch(order)
+        self.busy_until = CLOCK() + DEVICE_SECONDS
+        return out
+
+    def sync(self) -> None:
+        CLOCK.wait_until(self.busy_until)
+
+
+class Pending:
+    """A value the simulated device is still computing (``done_at`` on ``CLOCK``). The first look at
+    it waits: ``to_host``, or a NumPy or float conversion, as a framework's lazy tensor allows."""
+
+    def __init__(self, value: Any, done_at: float):
+        self.value, self.done_at = value, done_at
+
+    def result(self) -> Any:
+        CLOCK.wait_until(self.done_at)
+        return self.value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.result(), dtype)
+
+    def __float__(self) -> float:
+        return float(self.result())
+
+
+class ToHostDevice(NumpyBackend):
+    """Lazy results (JAX, TensorFlow's async eager): ``scores`` and ``train_epoch`` return
+    ``Pending`` values, and the ``DEVICE_SECONDS`` of work are paid when ``to_host`` fetches them;
+    ``sync`` has nothing left to wait for."""
+
+    name = "lazy-to-host"
+
+    def scores(self, x: Any, batch_size: int) -> Any:
+        return Pending(super().scores(x, batch_size), CLOCK() + DEVICE_SECONDS)
+
+    def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
+        done_at = CLOCK() + DEVICE_SECONDS
+        return tuple(Pending(v, done_at) for v in super().train_epoch(order))
+
+    def to_host(self, value: Any) -> Any:
+        return super().to_host(value.result() if isinstance(value, Pending) else value)
