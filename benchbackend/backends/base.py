@@ -186,11 +186,19 @@ def gemm_rate(make: Callable[[int, int], Callable[[], None]], cpu: bool, budget_
     A precision the hardware only emulates can run two to three orders of magnitude slower than
     fp32 (bf16 on a CPU without AVX512_BF16 or AMX), where one 4096 x 4096 matmul would take
     minutes; so one small matmul first sizes the probe: a size whose call would take more than a
-    third of the budget is replaced by the largest power of two that fits (256 at least)."""
+    third of the budget is replaced by the largest power of two that fits (256 at least). The
+    pilot doubles while the next size fits, keeping its best rate: a 256 x 256 matmul lasts a
+    fraction of a millisecond, and on a loaded machine it alone read 10-50x low, which left only
+    small sizes to time and a peak several times too low (MFU several times too high)."""
     sizes = CPU_GEMM_SIZES if cpu else GPU_GEMM_SIZES
-    small = make(_PILOT_N, 1)
-    small()
-    rate = 2.0 * _PILOT_N ** 3 / max(_best_time(small, 1), 1e-9)
+    n, rate = _PILOT_N, 0.0
+    while True:
+        small = make(n, 1)
+        small()
+        rate = max(rate, 2.0 * n ** 3 / max(_best_time(small, 1), 1e-9))
+        if 2 * n >= min(size for size, _ in sizes) or 2.0 * (2 * n) ** 3 / rate > budget_s / 3:
+            break
+        n *= 2
     fits = [(n, reps) for n, reps in sizes if 2.0 * n ** 3 * reps / rate <= budget_s / 3]
     if not fits:
         n = _PILOT_N
