@@ -84,7 +84,7 @@ def test_a_precision_one_backend_lacks_is_an_unavailable_row_for_it(tmp_path):
     choices = plan.resolve(["numpy", "torch"], [], ["fp64"])
     assert [(c.backend, c.precision, bool(c.problem)) for c in choices] == [("numpy", "fp64", False),
                                                                           ("torch", "fp64", True)]
-    assert "torch has no precision fp64; it has fp32, bf16, fp16" in choices[1].problem
+    assert "torch has no precision fp64; it has fp32, tf32, bf16, fp16" in choices[1].problem
 
 
 def test_list_shows_modes_and_precisions_of_every_registered_backend():
