@@ -134,8 +134,8 @@ class Runner:
     def run(self) -> list[CellResult]:
         with tempfile.TemporaryDirectory(prefix="benchbackend-") as tmp:
             # All data first: a missing file fails the run before anything is measured.
-            arrays = {w.hash(): self._prepare(w, Path(tmp)) for w in self.plan.workloads}
-            tasks, refused = self._tasks(arrays)
+            files = {w.hash(): self._prepare(w, Path(tmp)) for w in self.plan.workloads}
+            tasks, refused = self._tasks(files)
             if self.previous is not None:
                 self._resume(tasks, refused)
             self.display.begin(len(tasks) + len(refused))
@@ -168,7 +168,7 @@ class Runner:
         if total and (done == total or done % (8 << 20) < 65536):
             self.display.note(f"  downloading {name}: {done / total:.0%} of {total / 1e6:.1f} MB")
 
-    def _tasks(self, arrays: dict[str, Path]) -> tuple[list[Task], list[tuple[Cell, str]]]:
+    def _tasks(self, files: dict[str, Path]) -> tuple[list[Task], list[tuple[Cell, str]]]:
         """The cells to run, and the groups that cannot run here (their first cell, and why)."""
         tasks, refused, seen = [], [], set()
         for cell in cells(self.plan):
@@ -185,7 +185,7 @@ class Runner:
                 seen.add(cell.group)
                 continue
             job = Job.for_spec(spec, cell.workload, mode=cell.choice.mode, precision=cell.choice.precision,
-                               device=self.plan.device, repeat=cell.repeat, data=str(arrays[cell.workload.hash()]),
+                               device=self.plan.device, repeat=cell.repeat, data=str(files[cell.workload.hash()]),
                                trains=not self.plan.inference_only, parity_steps=self.plan.parity_steps,
                                options=self.plan.options)
             digest = cell.workload.hash()
