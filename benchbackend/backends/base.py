@@ -85,10 +85,13 @@ class Backend(ABC):
         """Human name of the GPU in use, or "" on CPU."""
         return ""
 
+    #: What this cell set for its float32 matmuls and convolutions (``backends/precision.py``):
+    #: ``ieee`` or ``tf32``, assigned by an adapter that follows the rule; "" for one that does not.
+    math: str = ""
+
     def math_mode(self) -> str:
-        """The math mode of this cell's float32 matmuls and convolutions, as set
-        (``backends/precision.py``): ``ieee`` or ``tf32``; "" for a backend that does not declare it."""
-        return ""
+        """The math mode of this cell's float32 matmuls and convolutions (:attr:`math`)."""
+        return self.math
 
     def details(self) -> dict[str, Any]:
         """Extra facts for the ``notes`` of the build row (a compile target, the precision

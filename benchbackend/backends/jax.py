@@ -155,9 +155,6 @@ class JaxBackend(Backend):
     def gpu_name(self) -> str:
         return "" if self.device.platform == "cpu" else str(self.device.device_kind)
 
-    def math_mode(self) -> str:
-        return self.math
-
     def details(self) -> dict[str, Any]:
         out = {"platform": self.device.platform}
         if self.mode == "scan":

@@ -74,9 +74,6 @@ class KerasBackend(Backend):
     def device_id(self) -> str:
         return self.device
 
-    def math_mode(self) -> str:
-        return self.math
-
     # --- model --------------------------------------------------------------------------------
     def _compiled(self, dropout: bool, weights: Sequence[np.ndarray]) -> KerasNet:
         net = keras3_build(self.workload, keras, dropout=dropout)

@@ -295,6 +295,8 @@ class NumpyBackend(Backend):
         super().__init__(workload, device, mode, precision, options)
         self.xp = array_module(device)
         self.dtype = np.float64 if precision == "fp64" else np.float32
+        # NumPy is IEEE; CuPy runs float32 matmuls in TF32 only when CUPY_TF32=1 is set.
+        self.math = "tf32" if self.xp is not np and os.environ.get("CUPY_TF32") == "1" else "ieee"
         self.net: Optional[Network] = None
         self.optimizer: Optional[ops.Optimizer] = None
         self.rng: Any = None
@@ -314,10 +316,6 @@ class NumpyBackend(Backend):
 
     def device_id(self) -> str:
         return "cpu" if self.xp is np else f"cuda:{self.xp.cuda.Device().id}"
-
-    def math_mode(self) -> str:
-        # NumPy is IEEE; CuPy runs float32 matmuls in TF32 only when CUPY_TF32=1 is set.
-        return "tf32" if self.xp is not np and os.environ.get("CUPY_TF32") == "1" else "ieee"
 
     def gpu_name(self) -> str:
         if self.xp is np:

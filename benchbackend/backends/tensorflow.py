@@ -90,9 +90,6 @@ class TensorFlowBackend(Backend):
         details = self._gpu_details()
         return "" if details is None else str(details.get("device_name", "gpu"))
 
-    def math_mode(self) -> str:
-        return self.math
-
     def details(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype_policy": self.policy} if self.policy != "float32" else {}
         if self.device.startswith("/GPU"):

@@ -59,12 +59,12 @@ def set_math(device: torch.device, precision: str, backend: str) -> str:
         on_gpu = device.type == "cuda"
         check_tf32(backend, torch.cuda.get_device_name(device) if on_gpu else None,
                    torch.cuda.get_device_capability(device) if on_gpu else None, str(device))
-    mode = "tf32" if precision == "tf32" else "ieee"
+    mode = math_mode(precision)  # torch names the two modes as precision.py does
     torch.backends.cuda.matmul.fp32_precision = mode
     torch.backends.cudnn.conv.fp32_precision = mode
     torch.backends.cudnn.rnn.fp32_precision = mode
     torch.backends.cudnn.benchmark = True
-    return math_mode(precision)
+    return mode
 
 
 class TorchBackend(Backend):
@@ -107,9 +107,6 @@ class TorchBackend(Backend):
 
     def threads(self) -> int:
         return torch.get_num_threads()
-
-    def math_mode(self) -> str:
-        return self.math
 
     def details(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cudnn_autotune": "on"} if self.device.type == "cuda" else {}
