@@ -80,10 +80,6 @@ class Dataset:
         return {"x_train": self.x_train, "y_train": self.y_train, "x_val": self.x_val, "y_val": self.y_val,
                 "x_test": self.x_test, "y_test": self.y_test, "orders": orders}
 
-    def save(self, path: Any, orders: np.ndarray) -> None:
-        """Write :meth:`arrays` to the .npz ``path``."""
-        np.savez(path, **self.arrays(orders))
-
 
 def default_data_dir() -> Path:
     """``$BENCHBACKEND_DATA``, else ``$XDG_CACHE_HOME/benchbackend/data`` (default ``~/.cache``)."""

@@ -33,7 +33,7 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchbackend import backends, data  # noqa: E402
+from benchbackend import arrays, backends  # noqa: E402
 from benchbackend import workload as W  # noqa: E402
 from benchbackend.launch import Job  # noqa: E402
 from benchbackend.model import flops_per_sample  # noqa: E402
@@ -138,9 +138,8 @@ def main() -> None:
         print(f"\n{'batch':>5} {'backend:mode@precision':<36} {'train/s':>9} {'MFU':>6} {'infer/s':>9} {'MFU':>6}")
         for bs in batch_sizes:
             w = base.with_overrides(batch_size=bs)
-            ds = data.load(w, "synthetic")
             path = os.path.join(tmp, f"data-{bs}.npz")
-            ds.save(path, data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+            arrays.prepare(w, "synthetic", None, Path(path))
             for spec, mode, precision in cells:
                 label = f"{spec.name}:{mode}@{precision}"
                 rows, why = run_cell(spec, w, mode, precision, args.device, path)

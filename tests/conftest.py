@@ -188,11 +188,10 @@ def spawn_cell(tmp_path: Path, w, backend: str = "numpy", *, env: dict | None = 
 def job_arrays(tmp_path: Path, w) -> str:
     """The run's arrays as the runner hands them to a worker (an .npz of synthetic data and orders),
     in ``tmp_path``, named by the workload's hash."""
-    from benchbackend import data
+    from benchbackend import arrays
 
-    ds = data.load(w, "synthetic")
     path = tmp_path / f"{w.name}-{w.hash()}.npz"
-    ds.save(path, data.epoch_orders(len(ds.y_train), w.training.epochs, w.seed))
+    arrays.prepare(w, "synthetic", None, path)
     return str(path)
 
 
