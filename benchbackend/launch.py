@@ -43,7 +43,7 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NU
 @dataclass(frozen=True)
 class Job:
     """One repeat of one cell, as the worker runs it. ``data`` is the path of the run's arrays
-    (``data.Dataset.save``) on the machine that runs the worker."""
+    (``arrays.prepare``) on the machine that runs the worker."""
 
     workload: "Workload"
     backend: str
