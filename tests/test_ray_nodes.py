@@ -3,13 +3,13 @@ mid-run costs only its cell (crashed, or retried under ``retries``); work waits 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from support import scale
 
 from benchbackend import backends, results, runner, workload
 from benchbackend import plan as planning
@@ -25,14 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("ray
 def cluster():
     """A head that takes no cells (no CPUs, as on a real cluster), joined by the driver; each test
     adds the worker nodes it needs, and they are removed after it."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    ray.init(address=c.address, logging_level=logging.ERROR, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with scale.simulated_cluster(0) as c:
+        yield c
 
 
 @pytest.fixture
