@@ -434,3 +434,17 @@ def test_normalize() -> None:
     assert data.normalize(floats) is floats
     with pytest.raises(TypeError):
         data.normalize(x.astype(np.int64))
+
+
+def test_the_arrays_checksum_names_content_shape_and_dtype_and_takes_an_empty_split(tmp_path: Path) -> None:
+    from benchbackend import arrays
+
+    w = load_workload("mnist").with_overrides(limit=64)
+    w = w.model_copy(update={"data": w.data.model_copy(update={"validation": 0})})
+    made = arrays.prepare(w, "synthetic", None, tmp_path / "a.npz")  # x_val is (0, 28, 28, 1)
+    assert made.sizes[1] == 0 and arrays.checksum(tmp_path / "a.npz") == made.sha256
+    empty = {"x": np.zeros((0, 4), np.uint8)}
+    assert arrays.checksum(empty) != arrays.checksum({"x": np.zeros((0, 3), np.uint8)})
+    assert arrays.checksum(empty) != arrays.checksum({"x": np.zeros((0, 4), np.float32)})
+    one = {"x": np.arange(4, dtype=np.uint8)}
+    assert arrays.checksum(one) != arrays.checksum({"x": np.arange(1, 5, dtype=np.uint8)})
