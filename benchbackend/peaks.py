@@ -1,7 +1,17 @@
-"""MFU and the GEMM-peak cache behind it: one probe per host, CPU, backend, device, precision and threads.
+"""MFU and the GEMM-peak cache behind it: one denominator per device and precision.
 
 ``utilization`` turns a timed row's throughput into achieved FLOP/s and MFU (a training sample
 costs ``TRAIN_FLOPS_FACTOR`` forward passes).
+
+MFU must compare across backends, so its denominator is not each framework's own GEMM probe (on a
+2-core CPU torch's read 0.194 and TensorFlow's 0.223 TFLOP/s: the same work would show two MFUs).
+It is the best probe taken on the device, in the precision, with the threads: one cache entry per
+(host, device model, device, precision, threads) holds every probe taken there, one per prober (a
+backend's own framework, or NumPy's for a CPU cell of a backend without one), and the cell's
+peak is the best of them. The datasheet figure given with ``--peak-tflops`` replaces it. A run
+whose backends probe for the first time can still see the best rise between its cells, so
+``compare``, the report and the plots recompute MFU against the best peak the file holds per
+device and precision (``summary.one_peak``).
 
 A probe taken while something else loaded the machine reads low, and every MFU computed from it
 reads high. So an entry that a run shows to be too low (a timed row above 100% MFU) is dropped
@@ -23,9 +33,10 @@ def path() -> Path:
     return cache_dir() / "peaks.json"
 
 
-def key(host: str, cpu: str, backend: str, device: str, precision: str, threads: Optional[int]) -> str:
-    """The cache key: a peak measured with 1 thread is not the peak of 2."""
-    return "|".join([host, cpu, backend, device, precision, f"threads={threads or 'all'}"])
+def key(host: str, model: str, device: str, precision: str, threads: Optional[int]) -> str:
+    """The cache key of a device: ``model`` is the GPU's name or the CPU's (two hosts may share a
+    name, not a model); a peak measured with 1 thread is not the peak of 2."""
+    return "|".join([host, model, device, precision, f"threads={threads or 'all'}"])
 
 
 def _load() -> dict[str, Any]:
@@ -47,36 +58,71 @@ def _save(cache: dict[str, Any]) -> None:
         pass  # an unwritable cache only costs the probe again next time
 
 
-def _entry(cache: dict[str, Any], k: str) -> Optional[tuple[float, str]]:
-    try:
-        return float(cache[k]["flops"]), str(cache[k]["when"])
-    except (TypeError, KeyError, ValueError):
+def probes(k: str) -> dict[str, tuple[float, str]]:
+    """Every probe stored for device key ``k``: {prober: (FLOP/s, date measured)}."""
+    entry = _load().get(k)
+    out: dict[str, tuple[float, str]] = {}
+    for prober, probe in (entry.get("probes", {}) if isinstance(entry, dict) else {}).items():
+        try:
+            out[str(prober)] = float(probe["flops"]), str(probe["when"])
+        except (TypeError, KeyError, ValueError):
+            continue  # one damaged probe costs that probe again, not the others
+    return out
+
+
+def best(k: str) -> Optional[tuple[float, str, str]]:
+    """(FLOP/s, prober, date) of the best probe on device key ``k``, or None."""
+    found = probes(k)
+    if not found:
         return None
+    prober = max(found, key=lambda p: found[p][0])
+    return found[prober][0], prober, found[prober][1]
 
 
-def lookup(k: str) -> Optional[tuple[float, str]]:
-    """(FLOP/s, date measured) of a stored probe, or None."""
-    return _entry(_load(), k)
-
-
-def store(k: str, flops: float) -> float:
-    """Keep the better of ``flops`` and a stored value (a peak is a maximum); returns the kept one."""
+def store(k: str, prober: str, flops: float) -> float:
+    """Keep the better of ``flops`` and ``prober``'s stored value (a peak is a maximum); returns the kept one."""
     cache = _load()
-    old = _entry(cache, k)
-    if old is not None and old[0] >= flops:
-        return old[0]
-    cache[k] = {"flops": flops, "when": time.strftime("%Y-%m-%d")}
+    entry = cache.get(k) if isinstance(cache.get(k), dict) else {}
+    stored = probes(k).get(prober)
+    if stored is not None and stored[0] >= flops:
+        return stored[0]
+    entry.setdefault("probes", {})[prober] = {"flops": flops, "when": time.strftime("%Y-%m-%d")}
+    cache[k] = entry
     _save(cache)
     return flops
 
 
 def forget(k: str) -> bool:
-    """Drop an entry shown to be too low; True when there was one."""
+    """Drop a device's probes, shown to be too low; True when there were any."""
     cache = _load()
     if cache.pop(k, None) is None:
         return False
     _save(cache)
     return True
+
+
+def numpy_gemm_peak(precision: str) -> Optional[float]:
+    """NumPy's own GEMM probe on this CPU, for the cells of a backend without a probe of its own
+    (ONNX Runtime, OpenVINO, TVM, the reference, Keras 3, Chainer, PlaidML): float32 or float64,
+    None for a precision NumPy only emulates (its float16 matmul says nothing of a runtime's)."""
+    import numpy as np
+
+    from .backends.base import gemm_rate
+
+    dtype = {"fp32": np.float32, "fp64": np.float64}.get(precision)
+    if dtype is None:
+        return None
+    rng = np.random.default_rng(0)
+
+    def make(n: int, reps: int) -> Any:
+        a, b = (rng.random((n, n)).astype(dtype) for _ in range(2))
+
+        def run() -> None:
+            for _ in range(reps):
+                a @ b
+        return run
+
+    return gemm_rate(make, cpu=True)
 
 
 #: A training sample costs this many forward passes of FLOPs: the forward, the gradient of the

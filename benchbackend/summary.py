@@ -234,7 +234,7 @@ class Summary:
 def summarize(df: pd.DataFrame) -> Summary:
     """Aggregate a results frame (``results.read``/``read_many``, best through
     ``experiments.for_comparison``) per group."""
-    df = with_experiment(df)
+    df = one_peak(with_experiment(df))
     reps = per_repeat(df)
     groups = _group_info(df, reps)
     timed = reps[reps["timed"]]
@@ -276,6 +276,32 @@ def peak_text(peak_flops: float, source: str, precision: str) -> str:
     """``0.4 TFLOP/s fp32 (--peak-tflops)``: one peak MFU was measured against."""
     where = f" ({source})" if source else ""
     return f"{peak_flops / 1e12:.3g} TFLOP/s {precision or 'fp32'}{where}"
+
+
+#: What names a device for MFU's denominator (as ``peaks.key`` does): a peak on one is not another's.
+_DEVICE_KEYS = ("host", "cpu", "gpu", "device", "precision", "threads")
+
+
+def one_peak(df: pd.DataFrame) -> pd.DataFrame:
+    """Every row measured against a GEMM probe, measured again against the best probe the frame
+    holds for its device, precision and threads (``peaks``: one denominator per device, so that MFU
+    compares across backends; a run whose backends probed for the first time saw the best rise
+    between its cells). Rows against ``--peak-tflops`` keep their datasheet figure."""
+    if "peak_flops" not in df.columns:
+        return df
+    peak = _column(df, "peak_flops")
+    source = df.get("peak_source", pd.Series("", index=df.index)).fillna("").astype(str)
+    probed = (peak > 0) & ~source.str.startswith("--peak-tflops")
+    if not probed.any():
+        return df
+    keys = [df.loc[probed, c].astype(str) for c in _DEVICE_KEYS if c in df.columns]
+    at_best = peak[probed].groupby(keys, sort=False, dropna=False).transform("idxmax")
+    df = df.copy()
+    df.loc[probed, "peak_flops"] = peak[at_best.to_numpy()].to_numpy()
+    df.loc[probed, "peak_source"] = source[at_best.to_numpy()].to_numpy()
+    achieved = _column(df, "achieved_flops")
+    df.loc[probed, "mfu"] = (achieved / df.loc[probed, "peak_flops"].astype(float))[probed]
+    return df
 
 
 def _with_rates(groups: pd.DataFrame, df: pd.DataFrame, by_group: Any) -> pd.DataFrame:

@@ -217,23 +217,33 @@ def _train(cell: Cell, base: dict[str, Any]) -> bool:
 
 
 def _peak(backend: Any, job: Job) -> Optional[dict[str, Any]]:
-    """The peak for MFU: ``--peak-tflops``, else the adapter's GEMM probe in its own framework where
-    its registry entry declares one, cached (:mod:`benchbackend.peaks`); None without either."""
+    """The peak for MFU: ``--peak-tflops``, else the best GEMM probe taken on this device in this
+    precision with these threads (:mod:`benchbackend.peaks`). A backend whose registry entry
+    declares a probe adds its own framework's once; a CPU cell of one without adds NumPy's. None
+    when no probe exists for the device (a GPU runtime without its own, before any other probed)."""
     if job.options.peak_tflops:
         return {"flops": float(job.options.peak_tflops) * 1e12, "source": "--peak-tflops"}
-    if not job.capabilities.peak_probe:
-        return None
     from . import peaks
     from .results import environment
 
     env = environment()
-    k = peaks.key(env["host"], env["cpu"], backend.name, backend.device_id(), backend.precision,
+    device = backend.device_id()
+    k = peaks.key(env["host"], backend.gpu_name() or env["cpu"], device, backend.precision,
                   _threads(backend, job))
-    hit = peaks.lookup(k)
-    if hit is not None:
-        return {"flops": hit[0], "source": f"{backend.name} GEMM probe (cached {hit[1]})", "cache_key": k}
-    flops = peaks.store(k, float(backend.gemm_peak(backend.precision)))
-    return {"flops": flops, "source": f"{backend.name} GEMM probe", "cache_key": k}
+    own = job.capabilities.peak_probe
+    prober = backend.name if own else "numpy"
+    fresh = False
+    if prober not in peaks.probes(k) and (own or device == "cpu"):
+        flops = backend.gemm_peak(backend.precision) if own else peaks.numpy_gemm_peak(backend.precision)
+        if flops:
+            peaks.store(k, prober, float(flops))
+            fresh = True
+    found = peaks.best(k)
+    if found is None:
+        return None
+    flops, by, when = found
+    source = f"{by} GEMM probe" + ("" if fresh and by == prober else f" (cached {when})")
+    return {"flops": flops, "source": source, "cache_key": k}
 
 
 def _threads(backend: Any, job: Job) -> Optional[int]:

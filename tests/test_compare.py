@@ -708,6 +708,24 @@ def test_mfu_says_when_peaks_differ_or_are_unknown(tmp_path: Path) -> None:
     assert _column(text, "Training", "MFU", "torch").endswith("%")
 
 
+def test_every_backend_on_a_device_is_measured_against_its_one_best_probe(tmp_path: Path) -> None:
+    """A fresh cache: torch probed 0.194 and TensorFlow 0.223 TFLOP/s during one run, so their rows
+    carry different peaks. compare divides both by the best, so their MFUs compare; a row against
+    --peak-tflops keeps its figure, and another device (or thread count) has its own best."""
+    path = tmp_path / "best.csv"
+    w = results.CsvWriter(path)
+    write_cells(w, "torch", 1.0, flops=2e6, peak=(0.194e12, "torch GEMM probe"), seed=1, threads=2)
+    write_cells(w, "tensorflow", 1.5, flops=2e6, peak=(0.223e12, "tensorflow GEMM probe"), seed=2, threads=2)
+    write_cells(w, "numpy", 2.0, flops=2e6, peak=PEAK, seed=3, threads=2)
+    write_cells(w, "jax", 1.2, flops=2e6, peak=(0.1e12, "jax GEMM probe"), seed=4, threads=1)
+    groups, _ = groups_json([path])
+    torch, tf = groups["torch"], groups["tensorflow"]
+    assert torch["peak_flops"] == tf["peak_flops"] == 0.223e12
+    assert torch["peak"] == tf["peak"] == "0.223 TFLOP/s fp32 (tensorflow GEMM probe)"
+    assert torch["mfu"] == pytest.approx(3 * 2e6 * torch["samples_per_s"] / 0.223e12, rel=1e-6)
+    assert groups["numpy"]["peak_flops"] == 0.4e12 and groups["jax"]["peak_flops"] == 0.1e12
+
+
 def test_files_before_mfu_have_no_mfu_column(two_x: Path) -> None:
     text = compare.run_compare([str(two_x)]).text
     assert "MFU" not in text

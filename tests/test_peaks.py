@@ -22,17 +22,35 @@ LOW = backends.BackendSpec("lowpeak", "support.lazy_backend:LowPeakNumpyBackend"
                            capabilities=backends.Capabilities(peak_probe=True))
 
 
-def test_the_key_holds_the_thread_count_and_a_probe_never_lowers_a_stored_peak(tmp_path, monkeypatch):
+def test_one_entry_per_device_holds_every_prober_and_the_best_of_them_is_the_peak(tmp_path, monkeypatch):
     monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path))
-    one, two = (peaks.key("h", "cpu", "torch", "cpu", "fp32", t) for t in (1, 2))
-    assert one != two
-    assert peaks.store(one, 100e9) == 100e9
-    assert peaks.store(one, 60e9) == 100e9  # a probe under load reads low: the better one stays
-    assert peaks.store(one, 150e9) == 150e9
-    assert peaks.lookup(one)[0] == 150e9 and peaks.lookup(two) is None
-    assert peaks.forget(one) and peaks.lookup(one) is None and not peaks.forget(one)
+    one, two = (peaks.key("h", "Xeon x2", "cpu", "fp32", t) for t in (1, 2))
+    assert one != two and peaks.key("h", "H100", "cuda:0", "fp32", 1) != peaks.key("h", "A100", "cuda:0", "fp32", 1)
+    assert peaks.store(one, "torch", 100e9) == 100e9
+    assert peaks.store(one, "torch", 60e9) == 100e9  # a probe under load reads low: the better one stays
+    assert peaks.store(one, "tensorflow", 120e9) == 120e9  # another framework's probe joins, not replaces
+    assert peaks.probes(one) == {"torch": (100e9, peaks.probes(one)["torch"][1]),
+                                 "tensorflow": (120e9, peaks.probes(one)["tensorflow"][1])}
+    assert peaks.best(one)[:2] == (120e9, "tensorflow") and peaks.best(two) is None
+    assert peaks.forget(one) and peaks.best(one) is None and not peaks.forget(one)
     (tmp_path / "peaks.json").write_text("{not json")
-    assert peaks.lookup(one) is None  # a corrupt cache costs a probe, not the run
+    assert peaks.best(one) is None  # a corrupt cache costs a probe, not the run
+
+
+@pytest.mark.slow
+def test_a_runtime_without_a_probe_of_its_own_gets_mfu_on_a_cpu(tmp_path, monkeypatch):
+    """ONNX Runtime has no GEMM probe of its own: its cell adds NumPy's to the device's entry and
+    its rows carry an MFU (none did before)."""
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "o.csv"
+    r = CliRunner().invoke(main, ["run", "mnist", "-b", "onnxruntime", "--inference-only", "--data", "synthetic",
+                                  "--limit", "256", "--repeats", "1", "-o", str(out), "--no-plots"])
+    assert r.exit_code == 0, r.output
+    timed = results.read(out).query("phase == 'inference'")
+    assert (timed["mfu"] > 0).all() and set(timed["peak_source"]) == {"numpy GEMM probe"}
+    (entry,) = json.loads((tmp_path / "cache" / "peaks.json").read_text()).values()
+    assert set(entry["probes"]) == {"numpy"}
 
 
 def _run(tmp_path, out):

@@ -28,7 +28,8 @@ class Capabilities:
     The worker acts on these declarations, never on what an adapter object happens to have.
     """
 
-    #: The adapter measures its own GEMM peak (``Backend.gemm_peak``), the denominator of MFU.
+    #: The adapter measures a GEMM peak in its own framework (``Backend.gemm_peak``); it joins the
+    #: other probes on the device, the best of which is MFU's denominator (``benchbackend.peaks``).
     peak_probe: bool = False
     #: The adapter sets its intra-op threads from ``--threads`` and reports them (``Backend.threads``).
     thread_control: bool = False
