@@ -105,18 +105,19 @@ def parity_mismatch(max_abs: float, max_rel: float, rtol: float, atol: float) ->
             f"> rtol {rtol:g}")
 
 
-def trajectory(msg: dict[str, Any], workload: Any) -> dict[str, Any]:
+def trajectory(msg: dict[str, Any], workload: Any, precision: str = "fp32") -> dict[str, Any]:
     """The trajectory row (``--parity-steps``) decided from the worker's raw per-step losses.
 
     Adds ``parity_step`` (the first step whose loss differs from the reference's by more than its
     tolerance, relative, or is not finite), the largest errors, and ``notes`` that say what was
     found (the cell's ``run`` row repeats it as the reason when it fails). Step k's tolerance is
-    ``checks.trajectory_rtol * checks.trajectory_growth ** (k - 1)``: on a chaotic network correct
-    float32 trajectories part from the float64 reference exponentially, step by step.
+    ``checks.trajectory(precision, K)``: fp32's ``trajectory_rtol * trajectory_growth ** (k - 1)``
+    (on a chaotic network correct float32 trajectories part from the float64 reference
+    exponentially, step by step), and at bf16, fp16 or tf32 the larger of that and the precision's
+    own measured bound (``checks.trajectory_tolerance``).
     """
     losses, ref = list(msg.get("losses") or []), list(msg.get("reference_losses") or [])
-    rtol, growth = workload.checks.trajectory_rtol, workload.checks.trajectory_growth
-    tols = [rtol * growth ** k for k in range(len(ref))]
+    tols = workload.checks.trajectory(precision, len(ref))
     errs = [abs(a - b) for a, b in zip(losses, ref)]
     rels = [e / max(abs(b), 1e-12) for e, b in zip(errs, ref)]
     first = next((i + 1 for i, (a, r, t) in enumerate(zip(losses, rels, tols)) if not math.isfinite(a) or r > t),
@@ -124,10 +125,11 @@ def trajectory(msg: dict[str, Any], workload: Any) -> dict[str, Any]:
     out = {k: v for k, v in msg.items() if k not in ("losses", "reference_losses")}
     out.update(parity_step=first, parity_max_abs=max(errs) if errs else None,
                parity_max_rel=max(rels) if rels else None, steps=len(losses))
-    within = f"{rtol:g}" if growth == 1.0 else f"{rtol:g} x {growth:g}^(step - 1)"
+    within = (f"{tols[0]:g}" if len(set(tols)) <= 1 else f"{tols[0]:.3g} (step 1) to {tols[-1]:.3g} "
+              f"(step {len(tols)})") + f" ({precision})"
     out["notes"] = (f"{len(losses)} steps agree within {within}" if first is None else
                     f"training loss diverges from the reference at step {first}: "
-                    f"{losses[first - 1]:.6g} vs {ref[first - 1]:.6g} (rtol {tols[first - 1]:.3g})")
+                    f"{losses[first - 1]:.6g} vs {ref[first - 1]:.6g} (rtol {tols[first - 1]:.3g}, {precision})")
     return out
 
 

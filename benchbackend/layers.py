@@ -43,8 +43,9 @@ class Strict(BaseModel):
     @model_serializer(mode="wrap")
     def _without_later_defaults(self, handler: Any) -> Any:
         out = handler(self)
+        fields = type(self).model_fields
         for name in self.LATER:
-            if name in out and getattr(self, name) == type(self).model_fields[name].default:
+            if name in out and getattr(self, name) == fields[name].get_default(call_default_factory=True):
                 del out[name]
         return out
 

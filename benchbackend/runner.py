@@ -261,7 +261,7 @@ class Runner:
     def _row(self, state: _Open, row: dict[str, Any]) -> None:
         cell = state.result.cell
         if row.get("losses") is not None:
-            row = checks.trajectory(row, cell.workload)
+            row = checks.trajectory(row, cell.workload, cell.choice.precision)
         row.update(peaks.utilization(row.get("phase"), row.get("samples_per_s"), state.base["flops_per_sample"],
                                      state.base.get("peak_flops")))
         if (row.get("mfu") or 0) > 1:

@@ -11,6 +11,13 @@ when it lies above every correct implementation and below the wrong rules it mus
 
     python benchmarks/trajectory_spread.py --workload cifar10 --seeds 5 --backend jax --backend torch
     python benchmarks/trajectory_spread.py --workload mnist --seeds 4 --backend tensorflow
+    python benchmarks/trajectory_spread.py --workload cifar10 --seeds 3 --steps 10 --precision bf16 \
+        --backend torch --backend tensorflow --backend jax
+
+``--precision`` runs the adapters in a reduced precision (bf16, fp16; tf32 needs a GPU): the
+evidence behind ``checks.trajectory_tolerance`` of that precision. The reference float32 row and
+the wrong rules stay as they are, so the table shows which wrong rule a tolerance that admits the
+correct reduced-precision runs can still catch.
 
 Backends run in this process, one after another: keras-jax and keras-torch cannot share a process
 with tensorflow (one Keras backend per process); name them in runs of their own. A figure, not a test.
@@ -81,6 +88,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="initial-weight seeds 0..N-1 (repeat numbers)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--backend", action="append", default=[], help="an adapter to run too (repeatable)")
+    parser.add_argument("--precision", default="fp32", help="the adapters' precision (fp32, bf16, fp16, tf32)")
     args = parser.parse_args()
 
     w = workload.load(args.workload)
@@ -101,9 +109,9 @@ def main() -> None:
         runs = {"reference float32": reference.train_losses(w, weights, batches, np.float32)}
         for name in args.backend:
             spec = backends.get(name)
-            adapter = spec.load_class()(w, "cpu", spec.default_mode, "fp32", {})
+            adapter = spec.load_class()(w, "cpu", spec.default_mode, args.precision, {})
             adapter.build([np.array(a) for a in weights])
-            runs[name] = adapter.train_steps(batches)
+            runs[f"{name} {args.precision}"] = adapter.train_steps(batches)
         for name, opt in wrong_rules(w).items():
             runs[name] = reference.train_losses(w, weights, batches, np.float64, opt)
         for name, variant in wrong_conventions(w).items():

@@ -179,6 +179,25 @@ def test_trajectory_tolerance_grows_per_step_when_asked():
     assert checks.trajectory(row, grown)["parity_step"] == 2
 
 
+def test_a_reduced_precision_trajectory_is_judged_at_its_own_bound_never_tighter_than_fp32():
+    """bf16's correct trajectories part from the float64 reference by 1e-3..3e-2 over 10 steps
+    (benchmarks/trajectory_spread.py): judged at fp32's 1e-3 they would fail, and a bound looser
+    than fp32's at some step would let an fp32-sized error pass at bf16 there unnoticed."""
+    w = workload.load("mnist")
+    tight = w.model_copy(update={"checks": w.checks.model_copy(update={"trajectory_rtol": 1e-3})})
+    ref = [2.3, 2.2, 2.1, 2.0, 1.9]
+    row = {"phase": "parity", "losses": [r * (1 + 5e-3) for r in ref], "reference_losses": ref}
+    assert checks.trajectory(row, tight)["parity_step"] == 1  # fp32: 5e-3 > 1e-3
+    assert checks.trajectory(row, tight, "bf16")["parity_step"] is None  # bf16 allows 1e-2 at step 1
+    assert "(bf16)" in checks.trajectory(row, tight, "bf16")["notes"]
+    assert checks.trajectory({**row, "losses": [r * 1.5 for r in ref]}, tight, "bf16")["parity_step"] == 1
+    own = tight.checks.model_copy(update={"trajectory_tolerance": {"bf16": workload.TrajectoryTolerance(rtol=1e-3)}})
+    assert checks.trajectory(row, tight.model_copy(update={"checks": own}), "bf16")["parity_step"] == 1
+    loose = w.model_copy(update={"checks": w.checks.model_copy(update={"trajectory_rtol": 0.2})})
+    assert loose.checks.trajectory("bf16", 3) == [0.2, 0.2, 0.2]  # fp32's, where it is the larger
+    assert tight.checks.trajectory("tf32", 2) == pytest.approx([1e-2, 1.25e-2])
+
+
 def epoch_rows(n_epochs: int, steps: int, acc: float, val_acc: float) -> list[dict]:
     return [{"phase": "train_epoch", "epoch": e, "loss": 1.0, "accuracy": acc, "samples": 256, "steps": steps,
              "val_accuracy": val_acc, "val_samples": 256} for e in range(1, n_epochs + 1)]
