@@ -109,8 +109,11 @@ def test_a_group_no_node_can_take_is_unavailable_and_says_why(cluster, tmp_path,
     assert (df[df.backend == "numpy"].phase == "train_epoch").sum() == 1
 
 
-def test_gpu_cells_on_a_cluster_without_gpus_are_unavailable(cluster, tmp_path):
-    cells = _run(tmp_path, "gpu", _plan(tmp_path, "gpu", device="gpu"), _ray_executor())
+@pytest.mark.parametrize("device", ["gpu", "cuda", "cuda:0"])
+def test_gpu_cells_on_a_cluster_without_gpus_are_unavailable(cluster, tmp_path, device):
+    """Every form of a GPU device asks Ray for a GPU (``cuda`` once did not, and its cell ran with
+    the GPU hidden from it); a cluster without one says so."""
+    cells = _run(tmp_path, "gpu", _plan(tmp_path, "gpu", device=device), _ray_executor())
     assert [c.status for c in cells] == ["unavailable"]
     assert "GPU" in cells[0].message
 
