@@ -239,6 +239,7 @@ def _parse(cell: "Cell", line: str, state: _State) -> Optional[Message]:
         return Info(cell, backend_version=str(msg.get("backend_version", "")), device=str(msg.get("device", "")),
                     gpu=str(msg.get("gpu", "")), python=str(msg.get("python", "")), threads=msg.get("threads"),
                     math_mode=str(msg.get("math_mode", "")),
+                    data_on_device=None if msg.get("data_on_device") is None else bool(msg["data_on_device"]),
                     environment={k: str(msg[k]) for k in ("host", "os", "cpu") if msg.get(k)})
     if kind == "peak":
         return Peak(cell, float(msg["flops"]), str(msg.get("source", "")), str(msg.get("cache_key", "")))

@@ -46,11 +46,15 @@ class Info:
     threads: Optional[int]
     environment: Mapping[str, str]
     math_mode: str = ""  # what the cell set for its float32 math (``backends/precision.py``)
+    #: The data placement rule the cell followed (``Backend.place_data``): its arrays on the device
+    #: before the clock (True) or each batch copied inside it (False); None from an older worker.
+    data_on_device: Optional[bool] = None
 
     def columns(self) -> dict[str, Any]:
         """The CSV columns this fills on every later row of the cell."""
         return {"backend_version": self.backend_version, "device": self.device, "gpu": self.gpu,
-                "python": self.python, "threads": self.threads, "math_mode": self.math_mode, **self.environment}
+                "python": self.python, "threads": self.threads, "math_mode": self.math_mode,
+                "data_on_device": self.data_on_device, **self.environment}
 
 
 @dataclass(frozen=True)

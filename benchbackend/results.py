@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from .errors import ResultsError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: Fixed columns, in this order; see README "CSV columns".
 BASE_COLUMNS = [
@@ -50,7 +50,12 @@ EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "f
                  # the checksum of the cell's arrays (``data.checksum``) and where its worker found
                  # them (``data_origin``: local, node-cache, generated, shared-path, fetched); the
                  # cell's float32 math mode as set (``math_mode``: ieee, tf32; backends/precision.py)
-                 "attempt", "data_sha256", "data_origin", "math_mode"]
+                 "attempt", "data_sha256", "data_origin", "math_mode",
+                 # schema 6: the cell's data placement rule (``data_on_device``: arrays on the device before
+                 # the clock, or each batch copied inside it; Backend.place_data) and the device's peak
+                 # memory from the framework's own counter (``peak_device_mb``, MiB; empty on a CPU or
+                 # without a counter) on every row with ``peak_rss_mb``. Older files: both empty.
+                 "data_on_device", "peak_device_mb"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
@@ -64,7 +69,8 @@ RETRIED = "retried"
 NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy", "val_loss",
            "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
            "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s",
-           "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed", "pass", "attempt"]
+           "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed", "pass", "attempt",
+           "peak_device_mb"]
 #: The definition's fields as columns (schema 3), and the key of each in the ``definition`` text
 #: that older files carry (read once, when such a file is read: see ``_migrate``).
 DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch",
@@ -303,8 +309,9 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Rows of older schemas, as schema 5 says them (see ``EXTRA_COLUMNS``):
+    """Rows of older schemas, as schema 6 says them (see ``EXTRA_COLUMNS``):
 
+    - before 6, ``data_on_device`` and ``peak_device_mb`` were not recorded: empty (unknown);
     - before 5, a cell had one attempt: ``attempt`` is 1;
     - before 4, ``epoch`` also held an inference row's pass, 0 on build, tune, parity and run
       rows, and the trajectory row's step count (also in ``steps``): the pass moves to ``pass``,

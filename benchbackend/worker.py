@@ -3,7 +3,8 @@
 ``python -m benchbackend.worker`` reads a JSON job on stdin and writes one JSON line per message
 on stdout (the protocol); anything the framework prints goes to stderr. Messages:
 
-- ``{"type": "info", ...}``     backend version, device, mode, precision, gpu, python, threads
+- ``{"type": "info", ...}``     backend version, device, mode, precision, gpu, python, threads,
+  math_mode, data_on_device
 - ``{"type": "peak", "flops", "source", "cache_key"}``  the peak MFU is measured against
 - ``{"type": "row", ...}``      one measurement (phase build / tune / parity / train_epoch / inference)
 - ``{"type": "unavailable", "message"}``  the backend, mode, precision or device is not there
@@ -18,12 +19,13 @@ registry entry declares (a GEMM probe, thread control), which are all this modul
 The backend's environment variables are already in this process's environment (the parent sets
 them, unconditionally) before the adapter, and so the framework, is imported.
 
-The order inside a cell: import the adapter, load data, build + load the shared initial weights
-(timed), tune (timed, when the mode tunes), forward parity on a fixed batch against the NumPy
-float64 reference, the optional trajectory check, then (if the backend trains) timed epochs, each
-followed by an untimed validation pass, and timed inference passes. Every timed region ends with
-the result materialized on the host and the device synced, by this module, not the adapter. A
-NaN/inf training loss stops training (the rows are kept).
+The order inside a cell: import the adapter, load data, decide the data placement rule
+(``Backend.place_data``), build + load the shared initial weights + put the arrays on the device
+(timed together as the ``build`` row), tune (timed, when the mode tunes), forward parity on a
+fixed batch against the NumPy float64 reference, the optional trajectory check, then (if the
+backend trains) timed epochs, each followed by an untimed validation pass, and timed inference
+passes. Every timed region ends with the result materialized on the host and the device synced,
+by this module, not the adapter. A NaN/inf training loss stops training (the rows are kept).
 """
 from __future__ import annotations
 
@@ -71,6 +73,26 @@ class Cell:
         if split not in self.device_arrays:
             self.device_arrays[split] = self.backend.to_device(self.arrays[f"x_{split}"])
         return self.device_arrays[split]
+
+    @property
+    def val_split(self) -> str:
+        """The split each epoch is validated on: ``val``, or ``test`` when the workload has none."""
+        return "val" if len(self.arrays["y_val"]) else "test"
+
+    def placed_bytes(self, trains: bool) -> int:
+        """Bytes of the arrays ``place`` puts on the device (as float32 inputs, integer labels)."""
+        splits = ["test"] + (["train", self.val_split] if trains else [])
+        return sum(self.arrays[f"x_{s}"].size * 4 + (self.arrays[f"y_{s}"].size * 8 if s == "train" else 0)
+                   for s in set(splits))
+
+    def place(self, trains: bool) -> None:
+        """The data placement rule (``Backend.place_data``): the training arrays and the splits the
+        validation and inference passes read, where the backend holds them. The worker times this
+        in the ``build`` row, so no timed epoch or pass pays a one-off copy."""
+        if trains:
+            self.backend.set_data(self.arrays["x_train"], self.arrays["y_train"])
+            self.on_device(self.val_split)
+        self.on_device("test")
 
     # The three inference paths, all derived from ``scores``.
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -134,7 +156,6 @@ def run_job(job: Job, emit: Emit) -> None:
     from .errors import BackendUnavailable
     from .model import initial_weights, param_count
     from .results import canonical_device, environment
-    from .timing import peak_rss_mb
 
     workload = job.workload
     try:
@@ -147,25 +168,36 @@ def run_job(job: Job, emit: Emit) -> None:
     weights = initial_weights(workload, job.repeat)
     cell = Cell(backend, workload, arrays, emit)
     base: dict[str, Any] = {"type": "row"}
+    on_device = bool(backend.place_data(cell.placed_bytes(job.trains)))
     emit({"type": "info", **environment(), "backend_version": backend.version(),
           "device": canonical_device(backend.device_id()),
           "mode": backend.mode, "precision": backend.precision, "gpu": backend.gpu_name(),
-          "python": platform.python_version(), "threads": _threads(backend, job), "math_mode": backend.math_mode()})
+          "python": platform.python_version(), "threads": _threads(backend, job), "math_mode": backend.math_mode(),
+          "data_on_device": on_device})
+
+    def build_and_place() -> int:
+        params = backend.build(weights)
+        cell.place(job.trains)  # the one-off copy to the device, timed here (see Cell.place)
+        return params
+
+    backend.reset_device_peak()  # the cell's own peak (an earlier cell may have run in this process)
     try:
-        params, seconds = cell.region(lambda: backend.build(weights), host=False)
+        params, seconds = cell.region(build_and_place, host=False)
     except BackendUnavailable as exc:  # e.g. a GPU provider that only fails to load at build time
         emit({"type": "unavailable", "message": str(exc).splitlines()[0]})
         return
     expected = param_count(workload)
     if params != expected:
         raise RuntimeError(f"{job.backend} built {params} parameters; the spec has {expected}")
-    if job.trains:
-        backend.set_data(arrays["x_train"], arrays["y_train"])
-    emit({**base, "phase": "build", "seconds": seconds, "params": params, "peak_rss_mb": peak_rss_mb(),
-          "notes": "; ".join(f"{k} {v}" for k, v in backend.details().items())})
+    notes = [f"{k} {v}" for k, v in backend.details().items()]
+    if not on_device:
+        notes.append(f"data copied per batch inside the clock: {backend.data_note}")
+    emit({**base, "phase": "build", "seconds": seconds, "params": params, **_memory(backend),
+          "notes": "; ".join(notes)})
     peak = _peak(backend, job)
     if peak is not None:
         emit({"type": "peak", **peak})
+        backend.reset_device_peak()  # the probe's matrices are not the cell's
     summary, seconds = cell.region(backend.tune, host=False)
     if summary is not None:
         emit({**base, "phase": "tune", "seconds": seconds, "notes": summary})
@@ -183,23 +215,20 @@ def run_job(job: Job, emit: Emit) -> None:
 def _infer(cell: Cell, base: dict[str, Any]) -> None:
     """The timed inference passes over the test set (the first carries warm-up)."""
     from .backends.base import accuracy
-    from .timing import peak_rss_mb
 
     labels = cell.arrays["y_test"]
     for i in range(1, cell.workload.inference.repeats + 1):
         scores, seconds = cell.predict()
         cell.emit({**base, "phase": "inference", "pass": i, "samples": len(labels), "seconds": seconds,
                    "samples_per_s": len(labels) / seconds if seconds > 0 else None,
-                   "accuracy": accuracy(np.asarray(scores), labels), "peak_rss_mb": peak_rss_mb()})
+                   "accuracy": accuracy(np.asarray(scores), labels), **_memory(cell.backend)})
 
 
 def _train(cell: Cell, base: dict[str, Any]) -> bool:
     """Timed epochs, each followed by an untimed validation pass. False when a loss went NaN/inf."""
-    from .timing import peak_rss_mb
-
     arrays, workload, backend = cell.arrays, cell.workload, cell.backend
     n_train = len(arrays["y_train"])
-    val_split = "val" if len(arrays["y_val"]) else "test"
+    val_split = cell.val_split
     n_val = len(arrays[f"y_{val_split}"])
     steps = -(-n_train // workload.training.batch_size)
     for epoch, order in enumerate(arrays["orders"][: workload.training.epochs], start=1):
@@ -210,10 +239,19 @@ def _train(cell: Cell, base: dict[str, Any]) -> bool:
         cell.emit({**base, "phase": "train_epoch", "epoch": epoch, "samples": n_train, "seconds": seconds,
                    "samples_per_s": n_train / seconds if seconds > 0 else None, "loss": loss, "accuracy": acc,
                    "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": n_val, "steps": steps,
-                   "peak_rss_mb": peak_rss_mb()})
+                   **_memory(backend)})
         if not finite:
             return False
     return True
+
+
+def _memory(backend: Any) -> dict[str, Optional[float]]:
+    """The memory columns of a row: the process's peak resident memory, and the device's peak from
+    the framework's own counter (None on a CPU and where there is none)."""
+    from .timing import peak_rss_mb
+
+    device = backend.peak_device_mb()
+    return {"peak_rss_mb": peak_rss_mb(), "peak_device_mb": None if device is None else float(device)}
 
 
 def _peak(backend: Any, job: Job) -> Optional[dict[str, Any]]:

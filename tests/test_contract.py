@@ -128,6 +128,11 @@ def test_every_registered_backend_runs_an_inference_only_cell_with_parity(name, 
     # The precision rule (backends/precision.py): fp32 is strict IEEE wherever the backend says so.
     declares = {"numpy", "torch", "tensorflow", "jax", "keras-jax", "keras-torch"}
     assert set(df["math_mode"]) == ({"ieee"} if name in declares else {""})
+    # The data placement rule (Backend.place_data): on a CPU every backend holds its arrays before
+    # the clock but PlaidML, whose Keras 2 is fed host arrays batch by batch; and a CPU has no
+    # device memory counter, so peak_device_mb is empty where peak_rss_mb is filled.
+    assert set(df["data_on_device"]) == ({"False"} if name == "plaidml" else {"True"})
+    assert df["peak_rss_mb"].notna().any() and df["peak_device_mb"].isna().all()
 
 
 def _methods(spec: backends.BackendSpec) -> set[str]:

@@ -28,9 +28,14 @@ def _run(monkeypatch, tmp_path: Path, *args: str) -> Path:
 def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp_path):
     path = _run(monkeypatch, tmp_path, "--epochs", "2", "--parity-steps", "2", "--batch-size", "50")
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)  # as a user reads it, no benchbackend
-    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 5
+    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 6
     # Schema 5: one attempt per cell here, and the arrays every row was measured on.
     assert set(raw["attempt"]) == {"1"} and set(raw["data_origin"]) == {"local"}
+    # Schema 6: the data placement rule on every row (a CPU holds every array); the device's peak
+    # memory on each row that has peak_rss_mb, empty on a CPU (no device counter).
+    assert set(raw["data_on_device"]) == {"True"}
+    memory = raw[raw["peak_rss_mb"] != ""]
+    assert set(memory["phase"]) == {"build", "train_epoch", "inference"} and set(raw["peak_device_mb"]) == {""}
     w = workload.load("mnist").with_overrides(limit=200, epochs=2, batch_size=50)
     assert set(raw["data_sha256"]) == {arrays.prepare(w, "synthetic", None, tmp_path / "a.npz").sha256}
     # The definition as real columns on every row, not parsed out of `definition`.
@@ -73,7 +78,8 @@ def test_the_writer_names_a_device_canonically(tmp_path):
 
 def _old_file(path: Path, version: int, rows: list[dict]) -> Path:
     """A file as an older benchbackend wrote it: its columns only, its schema_version."""
-    columns = [c for c in results.COLUMNS if c not in ("pass", "attempt", "data_sha256", "data_origin", "math_mode")]
+    later = ("pass", "attempt", "data_sha256", "data_origin", "math_mode", "data_on_device", "peak_device_mb")
+    columns = [c for c in results.COLUMNS if c not in later]
     if version < 3:
         columns = [c for c in columns if c not in ("cell_order", "notes", *results.DEFINITION_COLUMNS)]
     with open(path, "w", newline="") as fh:
@@ -87,7 +93,7 @@ def _old_file(path: Path, version: int, rows: list[dict]) -> Path:
 
 
 @pytest.mark.parametrize("version", [2, 3])
-def test_an_older_file_is_read_as_schema_5_says_it(tmp_path, version):
+def test_an_older_file_is_read_as_the_current_schema_says_it(tmp_path, version):
     path = _old_file(tmp_path / "old.csv", version, [
         {"phase": "build", "epoch": 0, "message": "cpu_capability AVX512" if version < 3 else "",
          "notes": "cpu_capability AVX512"},
@@ -103,6 +109,7 @@ def test_an_older_file_is_read_as_schema_5_says_it(tmp_path, version):
     df = results.read(path)
     phase = df["phase"]
     assert set(df["attempt"]) == {1}  # before schema 5, a cell had one attempt
+    assert set(df["data_on_device"]) == {""} and df["peak_device_mb"].isna().all()  # not recorded before 6
     assert df.loc[phase == "train_epoch", "epoch"].tolist() == [1, 2]
     assert df.loc[phase != "train_epoch", "epoch"].isna().all()
     assert df.loc[phase == "inference", "pass"].tolist() == [1, 2]
@@ -111,6 +118,20 @@ def test_an_older_file_is_read_as_schema_5_says_it(tmp_path, version):
     assert df.loc[phase == "build", "notes"].tolist() == ["cpu_capability AVX512"]
     assert df.loc[(phase == "parity") & df["steps"].notna(), "notes"].tolist() == ["5 steps agree within 0.001"]
     assert df.loc[df["message"] != "", "phase"].tolist() == ["run"]
+
+
+def test_a_schema_5_file_reads_with_placement_and_device_memory_unknown(tmp_path):
+    path = tmp_path / "v5.csv"
+    columns = [c for c in results.COLUMNS if c not in ("data_on_device", "peak_device_mb")]
+    with open(path, "w", newline="") as fh:
+        out = csv.writer(fh)
+        out.writerow(columns)
+        row = {"schema_version": 5, "workload": "mnist", "backend": "torch", "device": "cpu", "repeat": 1,
+               "phase": "train_epoch", "epoch": 1, "seconds": 0.5, "status": "ok", "peak_rss_mb": 900.0}
+        out.writerow([row.get(c, "") for c in columns])
+    df = results.read(path)
+    assert df["peak_rss_mb"].tolist() == [900.0] and df["peak_device_mb"].isna().all()
+    assert df["data_on_device"].tolist() == [""]
 
 
 def test_a_newer_schema_is_refused(tmp_path):

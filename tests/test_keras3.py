@@ -75,3 +75,76 @@ def test_a_tpu_that_jax_does_not_see_is_an_unavailable_row(tmp_path, name):
         pytest.skip("JAX sees a TPU here")
     assert outcome.status == "unavailable" and "TPU" in outcome.message, outcome
     assert not rows
+
+
+#: Run in the backend's worker environment (Keras picks its framework when imported): builds the
+#: adapter on mnist, places the arrays by the rule, and reports what it holds and what Keras' own
+#: data adapter hands the compiled step from the inputs ``fit`` and ``predict`` were given.
+_PLACEMENT_PROBE = """
+import json, sys
+import numpy as np
+import keras
+from keras.src.trainers.data_adapters import get_data_adapter
+from benchbackend import backends, data, model, workload
+
+name, fits = sys.argv[1], sys.argv[2] == "fits"
+w = workload.load("mnist").with_overrides(limit=64, epochs=1)
+b = backends.get(name).load_class()(w, "cpu", "fit")
+if not fits:
+    b.free_device_bytes = lambda: 1 << 20
+ds = data.load(w, "synthetic")
+x_train, x_test = data.normalize(ds.x_train), data.normalize(ds.x_test)
+placed = b.place_data(x_train.nbytes + ds.y_train.nbytes + x_test.nbytes)
+b.build(model.initial_weights(w))
+b.set_data(x_train, ds.y_train)
+x = b.to_device(x_test)
+given = {}
+for method in ("fit", "predict"):
+    def record(inputs, *args, _original=getattr(b.model, method), _method=method, **kwargs):
+        given[_method] = inputs
+        return _original(inputs, *args, **kwargs)
+    setattr(b.model, method, record)
+loss, acc = b.train_epoch(np.arange(len(ds.y_train)))
+probs = b.to_host(b.scores(x, 32))
+b.sync()
+
+def kind(a):
+    if isinstance(a, np.ndarray):
+        return "numpy.ndarray"
+    return f"{type(a).__module__.split('.')[0]}.{type(a).__name__}@{a.device}"
+
+def first_batch(inputs):
+    adapter = get_data_adapter(inputs, shuffle=False)
+    batches = adapter.get_jax_iterator() if keras.backend.backend() == "jax" else iter(adapter.get_torch_dataloader())
+    return [kind(t) for t in next(batches)]
+
+print(json.dumps({"placed": placed, "held": [kind(a) for a in (b.x, b.y, x)], "loss": loss,
+                  "probs": list(np.asarray(probs).shape), "fit": type(given["fit"]).__name__,
+                  "fit_batch": first_batch(given["fit"]), "predict_batch": first_batch(given["predict"])}))
+"""
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("fits", [True, False], ids=["on-device", "per-batch"])
+def test_fit_and_predict_read_arrays_held_on_the_device(name, fits):
+    """The data placement rule in Keras 3: the arrays are the framework's tensors on the device,
+    and what Keras' data adapter hands the train and predict steps are device tensors too (not
+    NumPy arrays, which Keras' array adapter makes of a jax.Array: a copy to the host). Where they
+    do not fit, host arrays, each batch copied by Keras inside the clock."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PLACEMENT_PROBE, name, "fits" if fits else "no"],
+                         capture_output=True, text=True, timeout=600,
+                         env=launch.worker_environ(backends.get(name)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    device = {"keras-jax": "jaxlib.ArrayImpl@cpu:0", "keras-torch": "torch.Tensor@cpu"}[name]
+    if fits:
+        assert got["held"] == [device] * 3, got
+        assert got["fit_batch"] == [device] * 2 and got["predict_batch"] == [device], got
+    else:
+        assert got["held"] == ["numpy.ndarray"] * 3, got
+    assert got["placed"] is fits and got["fit"] == "_Batches" and np.isfinite(got["loss"]), got
+    assert got["probs"] == [256, 10], got

@@ -116,6 +116,28 @@ def test_batches_land_in_order(runtime):
     np.testing.assert_allclose(backend.to_host(backend.scores(x, 7)), one, rtol=1e-5, atol=1e-7)
 
 
+@requires_ort
+def test_onnxruntime_holds_a_split_as_an_ortvalue_and_binds_its_batches_in_place():
+    """The data placement rule: ``to_device`` makes a split one OrtValue on the session's device
+    (on CUDA, the one copy before the clock; on a CPU it wraps the NumPy array), and ``scores``
+    binds each batch at its offset in that buffer (IOBinding), writing into one output OrtValue
+    that ``to_host`` fetches: the same scores as ``session.run`` on NumPy batches."""
+    import onnxruntime as ort
+
+    w = _small("mnist")
+    backend = _adapter(ORT, w)
+    assert backend.place_data(1) is True and backend.data_on_device  # a CPU: the arrays fit
+    x_host = data.normalize(data.load(w, "synthetic").x_val[:40])
+    x = backend.to_device(x_host)
+    assert isinstance(x.value, ort.OrtValue) and (x.device, len(x)) == ("cpu", 40)
+    out = backend.scores(x, 7)
+    assert isinstance(out, ort.OrtValue) and out.shape() == [40, w.num_classes]
+    backend.sync()
+    name = backend.session.get_inputs()[0].name
+    expected = np.concatenate([backend.session.run(None, {name: x_host[s:s + 7]})[0] for s in range(0, 40, 7)])
+    np.testing.assert_allclose(backend.to_host(out), expected, rtol=1e-6, atol=1e-7)
+
+
 @requires_ov
 def test_openvino_runs_fp32_when_asked_and_says_so():
     backend = _adapter(OV, _small("mnist"))

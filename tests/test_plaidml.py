@@ -202,6 +202,9 @@ def test_normal_tiny_run_is_ok(normal_run) -> None:
     assert info(msgs)["device"] == "cpu" and info(msgs)["mode"] == "keras2"
     assert info(msgs)["backend_version"] == "0.7.0" and info(msgs)["gpu"] == ""
     assert rows(msgs, "build")[0]["params"] == 16938
+    # Keras 2.2.4 takes host arrays only: each batch is copied inside the clock, and the build row says why.
+    assert info(msgs)["data_on_device"] is False
+    assert "data copied per batch inside the clock: Keras 2.2.4" in rows(msgs, "build")[0]["notes"]
     epochs = rows(msgs, "train_epoch")
     assert [r["epoch"] for r in epochs] == [1, 2, 3] and all(r["seconds"] > 0 for r in epochs)
     assert epochs[-1]["loss"] < epochs[0]["loss"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support import lazy_backend
-from support.lazy_backend import DEVICE_SECONDS
+from support.lazy_backend import COPY_SECONDS, DEVICE_SECONDS
 
 from benchbackend import backends, data, model, timing, workload
 from conftest import backend_params, run_cell
@@ -39,6 +39,37 @@ def test_every_timed_region_ends_after_the_device_work(device, tmp_path, virtual
     # The clock moves only with the device: each region read exactly the work it had to wait for.
     assert [s for _, s in timed] == pytest.approx([DEVICE_SECONDS] * len(timed)), timed
     assert virtual_clock() > 0
+
+
+def test_the_copy_of_the_arrays_to_the_device_is_timed_in_build_and_in_no_epoch_or_pass(tmp_path, virtual_clock):
+    """The data placement rule: the training arrays (``set_data``) and the splits that validation
+    and inference read (``to_device``) go to the device inside the ``build`` row's region, which
+    waits for the copies; each epoch and pass then reads its own work only."""
+    w = workload.load("mnist").with_overrides(limit=64, epochs=2)
+    msgs, _ = run_cell(tmp_path, w, "numpy", target="support.lazy_backend:PlacingDevice")
+    assert not [m for m in msgs if m.get("type") in ("error", "unavailable")], msgs
+    info = next(m for m in msgs if m.get("type") == "info")
+    assert info["data_on_device"] is True  # host memory: the arrays always fit
+    build = next(m for m in msgs if m.get("phase") == "build")
+    assert "data copied per batch" not in build["notes"]
+    assert build["seconds"] == pytest.approx(3 * COPY_SECONDS)  # x_train (+ labels), x_val, x_test
+    timed = [m["seconds"] for m in msgs if m.get("phase") in ("train_epoch", "inference")]
+    assert len(timed) == 2 + w.inference.repeats
+    assert timed == pytest.approx([DEVICE_SECONDS] * len(timed))
+
+
+def test_arrays_that_do_not_fit_are_copied_per_batch_and_the_build_row_says_why(tmp_path, monkeypatch):
+    """Where the framework reports less free device memory than twice the arrays, the cell runs
+    with host arrays (each batch copied in the clock), ``data_on_device`` False and the reason noted."""
+    from benchbackend.backends.reference import NumpyBackend
+
+    monkeypatch.setattr(NumpyBackend, "free_device_bytes", lambda self: 1000)
+    w = workload.load("mnist").with_overrides(limit=64, epochs=1)
+    msgs, rows = run_cell(tmp_path, w, "numpy")
+    info = next(m for m in msgs if m.get("type") == "info")
+    build = next(m for m in rows if m["phase"] == "build")
+    assert info["data_on_device"] is False and "exceed half of the 0 MiB free" in build["notes"], build["notes"]
+    assert [m["phase"] for m in rows].count("train_epoch") == 1 and np.isfinite(rows[-1]["accuracy"])
 
 
 def test_a_region_reads_the_work_of_the_value_it_returns_and_nothing_after(virtual_clock):
@@ -76,3 +107,25 @@ def test_each_adapters_to_host_returns_host_values(name):
     b.sync()
     assert all(isinstance(v, HOST) and np.ndim(v) == 0 for v in epoch), [type(v) for v in epoch]
     assert isinstance(probs, np.ndarray) and probs.shape == (len(x_test), w.num_classes), type(probs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", backend_params(["tensorflow"]))
+def test_tensorflows_sync_waits_for_the_work_in_flight(name):
+    """TensorFlow's eager ops may return before they have run (on a GPU, or under an asynchronous
+    executor): ``sync`` must wait for them. Patch-free: an op that fails, launched on a throwaway
+    asynchronous executor, reports its failure only when something waits for it; a ``sync`` that
+    waits raises it, a ``sync`` that does nothing returns quietly."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context, executor
+
+    spec = backends.get(name)
+    b = spec.load_class()(workload.load("mnist").with_overrides(limit=64), "cpu", spec.modes[0].name)
+    pending = executor.new_executor(enable_async=True)  # not the process's executor, which stays clean
+    with context.executor_scope(pending):
+        tf.debugging.check_numerics(tf.constant([np.nan]), "planted in flight")
+        try:
+            with pytest.raises(tf.errors.InvalidArgumentError, match="planted in flight"):
+                b.sync()
+        finally:
+            pending.clear_error()

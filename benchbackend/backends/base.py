@@ -18,18 +18,33 @@ The worker (``benchbackend.worker``) drives an adapter through one repeat of one
 4. ``set_data(x_train, y_train)``: keep the training arrays where the framework's fast path
    wants them. Only called when the backend trains.
 5. ``to_device(x)``: an input array (float32 NHWC in [0, 1]) as the framework wants it for
-   ``scores`` (a tensor on the device, say). Called once per split, outside the clock.
+   ``scores`` (a tensor on the device, say). Called once per split, before any timed epoch or
+   pass (the validation and test splits in the ``build`` row's region, see below).
+
+   The data placement rule (one for every backend): before ``build``, the worker calls
+   ``place_data(nbytes)`` with the size of the arrays the cell will hold (training, validation and
+   test); it decides :attr:`data_on_device`. When True, ``set_data`` and ``to_device`` put the
+   arrays on the device and ``train_epoch``/``scores`` read them there (gathers and slices on the
+   device); when False (they do not fit, or the backend cannot hold them), ``set_data`` and
+   ``to_device`` keep host arrays and each batch is copied to the device inside the clock. The
+   worker calls ``set_data`` and ``to_device`` of the validation and test splits inside the
+   ``build`` row's timed region, so the one-off copy is timed apart from the epochs and passes.
 6. ``scores(x, batch_size)``: class probabilities for a ``to_device`` array, in batches of
    ``batch_size``, dropout off. It may return a lazy/asynchronous value.
 7. ``train_epoch(order)``: one epoch over the training arrays in exactly the given sample order,
    with the workload's batch size, optimizer and loss. Returns ``(mean loss, accuracy)``, which
    may be lazy values (device scalars).
 8. ``to_host(value)``: a NumPy array or Python float for a value ``scores``/``train_epoch``
-   returned. ``sync()``: wait until the device is idle.
+   returned. ``sync()``: wait until the device is idle (a real call into the framework wherever
+   the framework can have work in flight, copies included).
 9. ``train_steps(batches)``: optional; losses of the first K steps with dropout off, for the
    trajectory check (``--parity-steps``). ``train_scores(x)``: probabilities of a training-mode
    forward pass (batchnorm on batch statistics, dropout off, nothing updated), for the
    training-mode parity of networks with batchnorm.
+10. ``peak_device_mb()``: the peak device memory of the cell from the framework's own counter
+   (None on a CPU and where the framework has none), read for every row that carries
+   ``peak_rss_mb``; ``reset_device_peak()`` restarts the counter where the framework allows, so
+   that the peak is the cell's own (the worker calls it before ``build`` and after the GEMM probe).
 
 The worker ends every timed region itself: adapter call, ``to_host`` on what it returned,
 ``sync()``, then the clock (see :func:`benchbackend.timing.timed_region`). An adapter cannot
@@ -141,6 +156,39 @@ class Backend(ABC):
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         """Loss of each of the first K training steps on these batches, dropout disabled."""
         raise NotImplementedError(f"{self.name} does not support the trajectory check")
+
+    # --- data placement and device memory ----------------------------------------------------
+    #: The placement rule this cell follows (``data_on_device`` column): True, its arrays are on the
+    #: device before the clock; False, every batch is copied to the device inside the clock.
+    data_on_device: bool = True
+    #: Why the arrays are not on the device ("" when they are), for the build row's notes.
+    data_note: str = ""
+
+    def free_device_bytes(self) -> Optional[int]:
+        """Free memory of the device in bytes as the framework reports it; None on a CPU (host
+        memory: the arrays are already there) and where the framework does not say."""
+        return None
+
+    def place_data(self, nbytes: int) -> bool:
+        """Decide the placement rule for arrays of ``nbytes`` in all (called once, before
+        ``build``): on the device when they take at most half of the free device memory (the
+        other half is left to the model, its activations and the epoch's gathered copy), and
+        always where the framework reports no free memory (a CPU). Sets and returns
+        :attr:`data_on_device`. An adapter that cannot hold arrays on its device overrides this
+        to return False, with the reason in :attr:`data_note`."""
+        free = self.free_device_bytes()
+        self.data_on_device = free is None or nbytes <= free / 2
+        if not self.data_on_device:
+            self.data_note = f"{nbytes / 2**20:.0f} MiB of arrays exceed half of the {free / 2**20:.0f} MiB free"
+        return self.data_on_device
+
+    def peak_device_mb(self) -> Optional[float]:
+        """Peak device memory of this cell in MiB, from the framework's own counter; None on a CPU
+        and for a framework without one."""
+        return None
+
+    def reset_device_peak(self) -> None:
+        """Restart the device-memory peak counter, where the framework allows it."""
 
     def get_weights(self) -> list[np.ndarray]:
         """Current weights converted back to the canonical layout (tests use it)."""

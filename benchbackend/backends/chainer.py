@@ -73,6 +73,7 @@ class ChainerBackend(Backend):
         if not self.gpu:
             self.device = chainer.get_device("@intel64" if mode == "ideep" else "@numpy")
         self.net: Optional[_Net] = None
+        self._device_peak = 0  # CuPy pool bytes, the most read so far (peak_device_mb)
 
     @classmethod
     def probe(cls) -> dict:
@@ -155,13 +156,35 @@ class ChainerBackend(Backend):
         return from_nchw_weights(self.workload, [cuda.to_cpu(a) for a in self.net.arrays()])
 
     # --- data -------------------------------------------------------------------------------
+    # ``data_on_device``: the arrays are sent to the device (CuPy arrays on a GPU) and epochs gather
+    # and slice them there; else they stay NumPy arrays and each batch is sent inside the clock.
+    def _held(self, a: np.ndarray) -> Any:
+        return self.device.send(a) if self.data_on_device else a
+
+    def _feed(self, a: Any) -> Any:
+        """A batch for the network: as it is when held on the device, else sent there now."""
+        return a if self.data_on_device else self.device.send(a)
+
     def to_device(self, x: np.ndarray) -> Any:
-        nchw = np.ascontiguousarray(np.asarray(x, np.float32).transpose(0, 3, 1, 2))
-        return self.device.send(nchw)
+        return self._held(np.ascontiguousarray(np.asarray(x, np.float32).transpose(0, 3, 1, 2)))
 
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         self.x_train = self.to_device(x_train)
-        self.y_train = self.device.send(np.asarray(y_train, np.int32))
+        self.y_train = self._held(np.asarray(y_train, np.int32))
+
+    def free_device_bytes(self) -> Optional[int]:
+        return int(cuda.cupy.cuda.runtime.memGetInfo()[0]) if self.gpu else None
+
+    def peak_device_mb(self) -> Optional[float]:
+        """CuPy's pool reports what it holds now (``total_bytes``), not a peak: the peak is the
+        largest value read so far, at row time (a peak between two rows can be missed)."""
+        if not self.gpu:
+            return None
+        self._device_peak = max(self._device_peak, cuda.cupy.get_default_memory_pool().total_bytes())
+        return self._device_peak / 2**20
+
+    def reset_device_peak(self) -> None:
+        self._device_peak = 0
 
     # --- run --------------------------------------------------------------------------------
     def _masks(self, n: int, unit: bool) -> list[Any]:
@@ -198,15 +221,15 @@ class ChainerBackend(Backend):
         return loss.array, logits.array
 
     def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
-        idx = self.device.send(np.asarray(order))
+        idx = self._held(np.asarray(order))
         # One gather per epoch, then views: cheaper per step than indexing every batch.
         x, y = self.x_train[idx], self.y_train[idx]
         bs = self.workload.training.batch_size
         losses, correct = [], []
         with self._config(train=True):
             for start in range(0, len(order), bs):
-                yb = y[start:start + bs]
-                loss, logits = self._step(x[start:start + bs], yb)
+                yb = self._feed(y[start:start + bs])
+                loss, logits = self._step(self._feed(x[start:start + bs]), yb)
                 losses.append(loss * len(yb))
                 correct.append((logits.argmax(axis=1) == yb).sum())
         xp, n = self.xp, max(len(order), 1)
@@ -217,7 +240,8 @@ class ChainerBackend(Backend):
         outs = []
         with self._config(train=False):
             for start in range(0, len(x), batch_size):
-                logits = self.net.forward(chainer.Variable(x[start:start + batch_size], requires_grad=False))
+                xb = self._feed(x[start:start + batch_size])
+                logits = self.net.forward(chainer.Variable(xb, requires_grad=False))
                 outs.append((F.softmax(logits, axis=1) if self.softmax_out else logits).array)
         if not outs:
             return self.xp.zeros((0, self.workload.num_classes), np.float32)
@@ -228,7 +252,8 @@ class ChainerBackend(Backend):
         losses = []
         with self._config(train=True):
             for xb, yb in batches:
-                loss, _ = self._step(self.to_device(xb), self.device.send(np.asarray(yb, np.int32)), unit_masks=True)
+                x, y = self._feed(self.to_device(xb)), self.device.send(np.asarray(yb, np.int32))
+                loss, _ = self._step(x, y, unit_masks=True)
                 losses.append(float(loss))
         return losses
 
@@ -237,7 +262,8 @@ class ChainerBackend(Backend):
         self.net.set_update(False)  # batch statistics, the moving ones left as they are
         try:
             with self._config(train=True), chainer.using_config("enable_backprop", False):
-                logits = self.net.forward(chainer.Variable(x, requires_grad=False), *self._masks(len(x), True))
+                logits = self.net.forward(chainer.Variable(self._feed(x), requires_grad=False),
+                                          *self._masks(len(x), True))
         finally:
             self.net.set_update(True)
         return (F.softmax(logits, axis=1) if self.softmax_out else logits).array

@@ -98,6 +98,14 @@ def _update(optimizer: str, lr: float, momentum: float, params: Params, grads: P
     return [p - lr * g for p, g in zip(params, grads)], state
 
 
+def memory(device: Any) -> tuple[Optional[int], Optional[float]]:
+    """(free bytes, peak MiB in use since the process started: JAX has no reset) of ``device`` by
+    JAX's own counters; (None, None) on a CPU, which keeps none. Shared by jax and keras-jax."""
+    s = device.memory_stats() or {}
+    free = s["bytes_limit"] - s["bytes_in_use"] if "bytes_limit" in s and "bytes_in_use" in s else None
+    return free, s["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in s else None
+
+
 def _split(n: int, batch: int, k: int) -> tuple[int, int, int]:
     """(whole blocks of k full batches, full batches after them, size of the last short batch)."""
     full = n // batch
@@ -139,6 +147,7 @@ class JaxBackend(Backend):
         # faster. GPUs and TPUs run the rolled loop well and compile it once.
         self.unroll = self.k if self.device.platform == "cpu" else 1
         self._pending: Any = None  # the newest array this adapter produced, for sync()
+        self._placed: list[Any] = []  # arrays being copied to the device (device_put is asynchronous)
 
     # --- identity -----------------------------------------------------------------------------
     @classmethod
@@ -293,29 +302,56 @@ class JaxBackend(Backend):
         return [np.asarray(p) for p in self.params]
 
     # --- data ---------------------------------------------------------------------------------
-    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
-        self.x = jax.device_put(np.ascontiguousarray(x_train, np.float32), self.device)
-        self.y = jax.device_put(np.asarray(y_train, np.int32), self.device)
+    # ``data_on_device``: jax.Arrays that the compiled steps slice on the device (``_feed``); else
+    # NumPy arrays, and ``_feed`` copies each batch (or scan block) to the device inside the clock.
+    def _put(self, a: np.ndarray) -> Any:
+        if not self.data_on_device:
+            return a
+        out = jax.device_put(a, self.device)
+        self._placed.append(out)  # sync() waits for the copy: the worker times it in the build row
+        return out
 
-    def to_device(self, x: np.ndarray) -> jax.Array:
-        return jax.device_put(np.ascontiguousarray(x, np.float32), self.device)
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        self.x = self._put(np.ascontiguousarray(x_train, np.float32))
+        self.y = self._put(np.asarray(y_train, np.int32))
+
+    def to_device(self, x: np.ndarray) -> Any:
+        return self._put(np.ascontiguousarray(x, np.float32))
+
+    def _feed(self, a: Any, start: int, size: int) -> tuple[Any, np.int32]:
+        """(array, offset) to read ``size`` rows at: the device array, or the rows copied there now."""
+        if self.data_on_device:
+            return a, np.int32(start)
+        return jax.device_put(a[start:start + size], self.device), np.int32(0)
+
+    def free_device_bytes(self) -> Optional[int]:
+        return memory(self.device)[0]
+
+    def peak_device_mb(self) -> Optional[float]:
+        return memory(self.device)[1]
 
     # --- run ----------------------------------------------------------------------------------
     def train_epoch(self, order: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        n, bs = len(order), self.workload.training.batch_size
-        x, y = self._gather(self.x, self.y, jax.device_put(np.asarray(order, np.int32), self.device))
+        n, bs, k = len(order), self.workload.training.batch_size, self.k
+        if self.data_on_device:
+            x, y = self._gather(self.x, self.y, jax.device_put(np.asarray(order, np.int32), self.device))
+        else:
+            x, y = self.x[order], self.y[order]  # host: each batch goes to the device in _feed
         acc = jax.device_put((np.zeros((), np.float32), np.zeros((), np.int32)), self.device)
         params, opt, key, s0 = self.params, self.opt, self.key, self.step_count
-        blocks, singles, short = _split(n, bs, self.k)
+        blocks, singles, short = _split(n, bs, k)
         for b in range(blocks):
-            params, opt, acc = self._train_block(params, opt, acc, x, y, np.int32(b * self.k), key, np.int32(s0))
-        for b in range(blocks * self.k, blocks * self.k + singles):
-            params, opt, acc = self._train_one(params, opt, acc, x, y, np.int32(b * bs), key, np.int32(s0 + b),
-                                               size=bs)
+            # Batch `first` of the fed array is the epoch's batch b*k: its dropout key stays s0 + b*k + j.
+            (xs, at), (ys, _) = self._feed(x, b * k * bs, k * bs), self._feed(y, b * k * bs, k * bs)
+            first = at // bs
+            params, opt, acc = self._train_block(params, opt, acc, xs, ys, first, key, np.int32(s0 + b * k - first))
+        for b in range(blocks * k, blocks * k + singles):
+            (xb, at), (yb, _) = self._feed(x, b * bs, bs), self._feed(y, b * bs, bs)
+            params, opt, acc = self._train_one(params, opt, acc, xb, yb, at, key, np.int32(s0 + b), size=bs)
         if short:
-            b = blocks * self.k + singles
-            params, opt, acc = self._train_one(params, opt, acc, x, y, np.int32(b * bs), key, np.int32(s0 + b),
-                                               size=short)
+            b = blocks * k + singles
+            (xb, at), (yb, _) = self._feed(x, b * bs, short), self._feed(y, b * bs, short)
+            params, opt, acc = self._train_one(params, opt, acc, xb, yb, at, key, np.int32(s0 + b), size=short)
         self.params, self.opt = params, opt
         self.step_count = s0 + (n + bs - 1) // bs
         self._pending = acc
@@ -325,14 +361,16 @@ class JaxBackend(Backend):
         n = int(x.shape[0])
         if n == 0:
             return jnp.zeros((0, self.workload.num_classes), jnp.float32)
-        blocks, singles, short = _split(n, batch_size, self.k)
+        k = self.k
+        blocks, singles, short = _split(n, batch_size, k)
         parts = []
         for b in range(blocks):
-            parts.append(self._predict_block(self.params, x, np.int32(b * self.k * batch_size), size=batch_size))
-        for b in range(blocks * self.k, blocks * self.k + singles):
-            parts.append(self._predict(self.params, x, np.int32(b * batch_size), size=batch_size))
+            parts.append(self._predict_block(self.params, *self._feed(x, b * k * batch_size, k * batch_size),
+                                             size=batch_size))
+        for b in range(blocks * k, blocks * k + singles):
+            parts.append(self._predict(self.params, *self._feed(x, b * batch_size, batch_size), size=batch_size))
         if short:
-            parts.append(self._predict(self.params, x, np.int32(n - short), size=short))
+            parts.append(self._predict(self.params, *self._feed(x, n - short, short), size=short))
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
         self._pending = out
         return out
@@ -343,9 +381,12 @@ class JaxBackend(Backend):
     def sync(self) -> None:
         if self._pending is not None:
             jax.block_until_ready(self._pending)
+        if self._placed:
+            jax.block_until_ready(self._placed)
+            self._placed = []
 
     def train_scores(self, x: jax.Array) -> jax.Array:
-        out = self._train_probs(self.params, x)
+        out = self._train_probs(self.params, jax.device_put(x, self.device))
         self._pending = out
         return out
 

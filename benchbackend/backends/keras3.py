@@ -6,13 +6,24 @@ the worker's environment before this module is imported, and ``__init__`` refuse
 another framework than the one it is named for.
 
 Training is ``model.fit`` on the epoch's samples gathered in the given order, with
-``shuffle=False``, ``epochs=1`` and the workload's batch size: Keras slices consecutive batches
-and keeps the last short one, so the batches and their order are exactly ``order``'s. ``fit``
+``shuffle=False``, ``epochs=1`` and the workload's batch size: consecutive batches, the last short
+one kept, so the batches and their order are exactly ``order``'s. ``fit``
 rather than ``train_on_batch`` in a loop because ``fit`` is what Keras users run and it is
 Keras' fast path (one compiled train function, no per-call metric reset and host return).
 ``jit_compile`` is left at Keras' default ("auto": XLA on JAX, eager on PyTorch). The optimizers
 are Keras' own, so the update rules are Keras' by construction. Accuracy on validation and test
 comes from ``scores`` (``model.predict``) and is computed by the harness, not by Keras.
+
+Data placement (``Backend.place_data``): the arrays are framework tensors on the device
+(``keras.ops.convert_to_tensor``: a jax.Array on JAX's default device, which ``_resolve_device``
+sets; a torch tensor on Keras' torch device), an epoch gathers them on the device
+(``keras.ops.take``), and ``fit``/``predict`` read them through a ``keras.utils.PyDataset`` of
+consecutive slices (``_Batches``). Not as arrays: Keras 3's array adapter turns a jax.Array into a
+NumPy array before slicing (``array_slicing.convert_to_sliceable``), a copy back to the host on a
+GPU, while a PyDataset's batches reach the compiled JAX step as they are (``get_jax_iterator``
+passes jax.Arrays through; ``device_put`` to their own device is a no-op) and reach the torch step
+through ``convert_to_tensor``, a no-op for a tensor on Keras' device. Where the arrays do not fit,
+the same PyDataset slices NumPy arrays and Keras copies each batch inside the clock.
 """
 from __future__ import annotations
 
@@ -25,6 +36,22 @@ from ..errors import BackendUnavailable
 from ..workload import Workload
 from .base import Backend
 from .keras_layers import KerasNet, keras3_build, keras3_optimizer
+
+
+class _Batches(keras.utils.PyDataset):
+    """Consecutive slices of ``batch_size`` of ``arrays`` (the last one short), made in order in the
+    calling thread (one worker, no multiprocessing), as tensors of wherever the arrays are."""
+
+    def __init__(self, arrays: tuple[Any, ...], batch_size: int):
+        super().__init__()
+        self.arrays, self.batch_size = arrays, batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.arrays[0]) // self.batch_size)
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        start = i * self.batch_size
+        return tuple(a[start:start + self.batch_size] for a in self.arrays)
 
 
 class KerasBackend(Backend):
@@ -47,6 +74,7 @@ class KerasBackend(Backend):
         self.math = self._set_math(precision)  # the framework's flags: Keras has none of its own
         self.model: Optional[keras.Model] = None
         self.net: Optional[KerasNet] = None
+        self._placed: list[Any] = []  # tensors being copied to the device, for sync()
 
     # --- per framework ------------------------------------------------------------------------
     def _resolve_device(self, device: str) -> str:
@@ -95,21 +123,38 @@ class KerasBackend(Backend):
         return [np.asarray(w) for w in self.net.get()]
 
     # --- data and run -------------------------------------------------------------------------
+    def _put(self, a: np.ndarray) -> Any:
+        """``a`` as a framework tensor on the device, or as it is when the data is not on the device."""
+        if not self.data_on_device:
+            return a
+        out = keras.ops.convert_to_tensor(a)
+        self._placed.append(out)
+        return out
+
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
-        self.x, self.y = np.ascontiguousarray(x_train, np.float32), np.asarray(y_train, np.int64)
+        # int32 labels: JAX without x64 has no int64 (Keras' torch loss takes them as long itself).
+        self.x, self.y = self._put(np.ascontiguousarray(x_train, np.float32)), self._put(np.asarray(y_train, np.int32))
+
+    def to_device(self, x: np.ndarray) -> Any:
+        return self._put(np.ascontiguousarray(x, np.float32))
 
     def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
         assert self.model is not None
-        bs = self.workload.training.batch_size
-        history = self.model.fit(self.x[order], self.y[order], batch_size=bs, epochs=1, shuffle=False, verbose=0)
+        if self.data_on_device:  # one gather per epoch, on the device
+            idx = keras.ops.convert_to_tensor(np.asarray(order, np.int32))
+            x, y = keras.ops.take(self.x, idx, axis=0), keras.ops.take(self.y, idx, axis=0)
+        else:
+            x, y = self.x[order], self.y[order]
+        history = self.model.fit(_Batches((x, y), self.workload.training.batch_size), epochs=1, shuffle=False,
+                                 verbose=0)
         # Keras' epoch loss and accuracy are means over samples (each batch weighted by its size).
         return float(history.history["loss"][-1]), float(history.history["accuracy"][-1])
 
-    def scores(self, x: np.ndarray, batch_size: int) -> np.ndarray:
+    def scores(self, x: Any, batch_size: int) -> np.ndarray:
         assert self.model is not None
         if len(x) == 0:
             return np.zeros((0, self.workload.num_classes), np.float32)
-        return self.model.predict(x, batch_size=batch_size, verbose=0)
+        return self.model.predict(_Batches((x,), batch_size), verbose=0)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         assert self.net is not None
@@ -124,7 +169,7 @@ class KerasBackend(Backend):
         assert self.net is not None
         twin = keras3_build(self.workload, keras, dropout=False)  # its moving statistics may change
         twin.set(self.net.get())
-        return keras.ops.convert_to_numpy(twin.model(np.asarray(x, np.float32), training=True))
+        return keras.ops.convert_to_numpy(twin.model(x, training=True))
 
 
 class KerasJaxBackend(KerasBackend):
@@ -161,6 +206,24 @@ class KerasJaxBackend(KerasBackend):
 
     def gpu_name(self) -> str:
         return self._gpu
+
+    def sync(self) -> None:
+        """Wait for the model's variables (fit's last update) and the arrays being placed."""
+        import jax
+
+        values = [v.value for v in self.model.variables] if self.model is not None else []
+        jax.block_until_ready(values + self._placed)
+        self._placed = []
+
+    def free_device_bytes(self) -> Optional[int]:
+        from .jax import memory
+
+        return memory(self._dev)[0]
+
+    def peak_device_mb(self) -> Optional[float]:
+        from .jax import memory
+
+        return memory(self._dev)[1]
 
 
 class KerasTorchBackend(KerasBackend):
@@ -206,7 +269,28 @@ class KerasTorchBackend(KerasBackend):
         return torch.cuda.get_device_name(torch.device(self.device))
 
     def sync(self) -> None:
-        if self.device != "cpu":
+        if self.device != "cpu":  # on a CPU every torch op has finished when it returns
             import torch
 
             torch.cuda.synchronize(torch.device(self.device))
+        self._placed = []
+
+    def free_device_bytes(self) -> Optional[int]:
+        if self.device == "cpu":
+            return None
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(self.device))[0]
+
+    def peak_device_mb(self) -> Optional[float]:
+        if self.device == "cpu":
+            return None
+        import torch
+
+        return torch.cuda.max_memory_allocated(torch.device(self.device)) / 2**20
+
+    def reset_device_peak(self) -> None:
+        if self.device != "cpu":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(torch.device(self.device))

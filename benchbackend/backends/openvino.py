@@ -3,6 +3,12 @@
 OpenVINO's CPU plugin runs bf16 by default wherever the CPU can (AMX, and also AVX512_BF16):
 fp32 results would then miss the fp32 parity tolerance. The precision is therefore always
 set (``INFERENCE_PRECISION_HINT``) and the one the compiled model actually uses is read back.
+
+Data placement (``Backend.place_data``): the CPU plugin's device memory is host memory, and
+``share_inputs=True`` hands it the NumPy split's batches without a copy, so the arrays are on the
+device. The GPU plugin (Intel GPUs) would copy each NumPy batch to the GPU inside the clock (a
+``RemoteTensor`` in the GPU's context would hold it there; not done here): ``data_on_device`` is
+False there, with the reason in the build notes. OpenVINO has no memory counter.
 """
 from __future__ import annotations
 
@@ -87,8 +93,23 @@ class OpenVinoBackend(Backend):
         self.queue = ov.AsyncInferQueue(self.compiled) if self.mode == "throughput" else None
         return onnx_graph.param_count(model)
 
+    def place_data(self, nbytes: int) -> bool:
+        if self.plugin == "CPU":
+            return super().place_data(nbytes)
+        self.data_on_device = False
+        self.data_note = f"the {self.plugin} plugin is fed host NumPy batches (no RemoteTensor here)"
+        return False
+
     def to_device(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x, np.float32)
+
+    def sync(self) -> None:
+        """Wait for the requests: ``infer`` returns when its request is done and ``scores`` waits for
+        the throughput queue, so this finds them idle; it is still OpenVINO's own wait."""
+        if self.compiled is not None:
+            self.request.wait()
+            if self.queue is not None:
+                self.queue.wait_all()
 
     def scores(self, x: np.ndarray, batch_size: int) -> np.ndarray:
         out = np.empty((len(x), self.workload.num_classes), np.float32)

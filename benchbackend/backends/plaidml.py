@@ -183,6 +183,16 @@ class PlaidMLBackend(Backend):
         self.x_train = np.ascontiguousarray(x_train, np.float32)
         self.y1_train = eye[np.asarray(y_train, np.int64)]
 
+    def place_data(self, nbytes: int) -> bool:
+        """Never on the device: Keras 2.2.4's ``train_on_batch`` and ``predict`` take host NumPy
+        arrays only (``_standardize_input_data``), and PlaidML's Keras backend copies each fed batch
+        into its own buffers when the function runs; a Keras 2 model has no input that reads a
+        PlaidML tensor kept on the device. So every batch is copied inside the clock, on a GPU and
+        on ``llvm_cpu`` alike. PlaidML has no memory counter either (``peak_device_mb`` is empty)."""
+        self.data_on_device = False
+        self.data_note = "Keras 2.2.4 on PlaidML feeds every batch from host NumPy arrays"
+        return False
+
     def to_device(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x, np.float32)  # Keras 2 feeds batches from host memory
 

@@ -301,6 +301,7 @@ class NumpyBackend(Backend):
         self.optimizer: Optional[ops.Optimizer] = None
         self.rng: Any = None
         self.train_data: tuple[Array, Array] = (None, None)
+        self._device_peak = 0  # CuPy pool bytes, the most read so far (peak_device_mb)
 
     @classmethod
     def probe(cls) -> dict:
@@ -332,19 +333,35 @@ class NumpyBackend(Backend):
         self.rng = self.xp.random.default_rng(seed)  # dropout masks; reseeded on every build
         return int(sum(w.size for w in self.net.weights))
 
+    # ``data_on_device``: the arrays are CuPy arrays (NumPy on a CPU) and epochs index them there;
+    # else NumPy arrays, each batch copied to the GPU (``xp.asarray``) inside the clock.
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
-        xp = self.xp
-        self.train_data = (xp.asarray(x_train, dtype=self.dtype), xp.asarray(y_train, dtype=xp.int64))
+        held = self.xp if self.data_on_device else np
+        self.train_data = (held.asarray(x_train, dtype=self.dtype), held.asarray(y_train, dtype=np.int64))
 
     def to_device(self, x: np.ndarray) -> Array:
-        return self.xp.asarray(x, dtype=self.dtype)
+        return (self.xp if self.data_on_device else np).asarray(x, dtype=self.dtype)
 
     def to_host(self, value: Any) -> Any:
         return _to_host(value)
 
     def sync(self) -> None:
-        if self.xp is not np:
+        if self.xp is not np:  # NumPy has finished when it returns
             self.xp.cuda.Stream.null.synchronize()  # CuPy kernels are asynchronous
+
+    def free_device_bytes(self) -> Optional[int]:
+        return None if self.xp is np else int(self.xp.cuda.runtime.memGetInfo()[0])
+
+    def peak_device_mb(self) -> Optional[float]:
+        """CuPy's pool reports what it holds now (``total_bytes``), not a peak: the peak is the
+        largest value read so far, at row time (a peak between two rows can be missed)."""
+        if self.xp is np:
+            return None
+        self._device_peak = max(self._device_peak, self.xp.get_default_memory_pool().total_bytes())
+        return self._device_peak / 2**20
+
+    def reset_device_peak(self) -> None:
+        self._device_peak = 0
 
     def _net(self) -> Network:
         if self.net is None:
@@ -354,10 +371,10 @@ class NumpyBackend(Backend):
     def train_epoch(self, order: np.ndarray) -> tuple[Array, Array]:
         net, xp = self._net(), self.xp
         x_all, y_all = self.train_data
-        order = xp.asarray(order)
+        order = (xp if self.data_on_device else np).asarray(order)
         loss_sum, correct = xp.zeros((), np.float64), xp.zeros((), np.int64)
         for idx in batches(order, self.workload.training.batch_size):
-            x, labels = x_all[idx], y_all[idx]
+            x, labels = xp.asarray(x_all[idx]), xp.asarray(y_all[idx])  # a copy only when held on the host
             y = ops.one_hot(labels, self.workload.num_classes, self.dtype)
             loss, scores = train_step(net, self.optimizer, x, y, self.workload.training, self.rng)
             loss_sum += loss * len(idx)
@@ -367,7 +384,7 @@ class NumpyBackend(Backend):
 
     def scores(self, x: Array, batch_size: int) -> Array:
         net, xp = self._net(), self.xp
-        parts = [net.forward(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+        parts = [net.forward(xp.asarray(x[i:i + batch_size])) for i in range(0, len(x), batch_size)]
         return xp.concatenate(parts) if parts else xp.zeros((0, self.workload.num_classes), self.dtype)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
@@ -375,7 +392,7 @@ class NumpyBackend(Backend):
         return _train_steps(self.workload, net, self.optimizer, batches, self.xp, self.dtype)
 
     def train_scores(self, x: Array) -> Array:
-        return self._net().forward(x, training=True)
+        return self._net().forward(self.xp.asarray(x), training=True)
 
     def get_weights(self) -> list[np.ndarray]:
         return [_to_host(w).copy() for w in self._net().weights]

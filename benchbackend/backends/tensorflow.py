@@ -22,6 +22,8 @@ from .keras_layers import KerasNet, keras3_build, keras3_optimizer
 from .precision import capability_of, check_tf32, math_mode
 
 _POLICY = {"fp32": "float32", "tf32": "float32", "bf16": "mixed_bfloat16"}
+#: Waits for every device (TF 2.14 and later).
+_SYNC_DEVICES = getattr(getattr(tf.test, "experimental", None), "sync_devices", None)
 
 
 class _PolicyLayers:
@@ -155,29 +157,58 @@ class TensorFlowBackend(Backend):
         return tf.config.threading.get_intra_op_parallelism_threads() or (os.cpu_count() or 1)
 
     # --- data -------------------------------------------------------------------------------
+    # An eager tensor made under tf.device is copied to that device (int64 labels too; TF keeps
+    # only int32 in host memory on a GPU). With ``data_on_device`` the arrays live on the device and
+    # an epoch gathers and slices them there; without it they stay on the host (``_held``), are
+    # sliced there, and each batch is copied to the device by the step, inside the clock.
+    def _held(self) -> str:
+        return self.device if self.data_on_device else "/CPU:0"
+
     def to_device(self, x: np.ndarray) -> tf.Tensor:
-        with tf.device(self.device):
+        with tf.device(self._held()):
             return tf.constant(x, tf.float32)
 
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
-        with tf.device(self.device):
+        with tf.device(self._held()):
             self.x_train = tf.constant(x_train, tf.float32)
             self.y_train = tf.constant(y_train, tf.int64)
 
     def to_host(self, value: Any) -> Any:
         return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
 
+    def sync(self) -> None:
+        """Wait for every device: TensorFlow's eager ops return before a GPU (or an async executor)
+        has run them. ``sync_devices`` runs a SyncDevice op on each device and waits for the
+        executor, on a CPU too; without it (TF < 2.14), a value fetched from the device's queue."""
+        if _SYNC_DEVICES is not None:
+            _SYNC_DEVICES()
+        else:
+            with tf.device(self.device):
+                tf.identity(tf.constant(0.0)).numpy()  # one stream, in order: earlier ops are done
+
+    def peak_device_mb(self) -> float | None:
+        if not self.device.startswith("/GPU"):
+            return None  # TensorFlow keeps no memory statistics for a CPU
+        return tf.config.experimental.get_memory_info(self.device.strip("/"))["peak"] / 2**20
+
+    def reset_device_peak(self) -> None:
+        if self.device.startswith("/GPU"):
+            tf.config.experimental.reset_memory_stats(self.device.strip("/"))
+
     # --- run --------------------------------------------------------------------------------
     def train_epoch(self, order: np.ndarray) -> tuple[tf.Tensor, tf.Tensor]:
         bs = self.workload.training.batch_size
         losses, correct = [], []
         n = len(order)
-        with tf.device(self.device):
+        with tf.device(self._held()):
             # One gather per epoch, then slices, as a hand-written loop over in-memory data does.
             idx = tf.constant(order, tf.int64)
             x, y = tf.gather(self.x_train, idx), tf.gather(self.y_train, idx)
+        with tf.device(self.device):
             for start in range(0, n, bs):
-                loss, hits = self._train_step(x[start:start + bs], y[start:start + bs])
+                with tf.device(self._held()):  # a slice where the arrays are
+                    xb, yb = x[start:start + bs], y[start:start + bs]
+                loss, hits = self._train_step(xb, yb)
                 losses.append(loss)
                 correct.append(hits)
             sizes = tf.constant(np.minimum(bs, n - np.arange(0, n, bs)), tf.float32)
@@ -189,8 +220,14 @@ class TensorFlowBackend(Backend):
         n = int(x.shape[0])
         if n == 0:
             return tf.zeros((0, self.workload.num_classes), tf.float32)
+        parts = []
+        for s in range(0, n, batch_size):
+            with tf.device(self._held()):  # a slice where the arrays are
+                xb = x[s:s + batch_size]
+            with tf.device(self.device):
+                parts.append(self._predict_step(xb))
         with tf.device(self.device):
-            return tf.concat([self._predict_step(x[s:s + batch_size]) for s in range(0, n, batch_size)], 0)
+            return tf.concat(parts, 0)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         # A twin without dropout, with its own optimizer: the worker builds afresh afterwards.

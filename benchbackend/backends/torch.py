@@ -144,7 +144,17 @@ class TorchBackend(Backend):
 
     def sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # on a CPU every torch op has finished when it returns
+
+    def free_device_bytes(self) -> int | None:
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+
+    def peak_device_mb(self) -> float | None:
+        return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+
+    def reset_device_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def to_host(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -248,26 +258,32 @@ class TorchBackend(Backend):
         return from_nchw_weights(self.workload, [t.detach().cpu().numpy() for t in self.net.arrays()])
 
     # --- data -------------------------------------------------------------------------------
+    # With ``data_on_device`` the arrays live on the device and an epoch gathers and slices them
+    # there; without it they stay in host memory (``_held``) and each batch is copied in the clock.
+    def _held(self) -> torch.device:
+        return self.device if self.data_on_device else torch.device("cpu")
+
     def to_device(self, x: np.ndarray) -> torch.Tensor:
         if self.channels_last:  # NHWC memory seen as NCHW: channels_last already, no copy
-            return torch.from_numpy(np.ascontiguousarray(x)).permute(0, 3, 1, 2).to(self.device)
-        return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).to(self.device)
+            return torch.from_numpy(np.ascontiguousarray(x)).permute(0, 3, 1, 2).to(self._held())
+        return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).to(self._held())
 
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         self.x_train = self.to_device(x_train)
-        self.y_train = torch.from_numpy(y_train.astype(np.int64)).to(self.device)
+        self.y_train = torch.from_numpy(y_train.astype(np.int64)).to(self._held())
 
     # --- run --------------------------------------------------------------------------------
     def train_epoch(self, order: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.net is not None
         self.net.train()
-        idx = torch.from_numpy(order).to(self.device)
+        idx = torch.from_numpy(order).to(self.x_train.device)
         # One gather per epoch, then views: cheaper per step than indexing every batch.
         x, y = self.x_train[idx], self.y_train[idx]
+        y = y.to(self.device)  # the labels for the accuracy below (already there when on the device)
         bs = self.workload.training.batch_size
         losses, preds = [], []
         for start in range(0, len(idx), bs):
-            xb, yb = x[start:start + bs], y[start:start + bs]
+            xb, yb = x[start:start + bs].to(self.device), y[start:start + bs]  # .to: a no-op on the device
             with self._autocast():
                 logits = self.model(xb)
                 loss = self._loss(logits, yb)
@@ -287,7 +303,8 @@ class TorchBackend(Backend):
         if not len(x):
             return torch.zeros((0, self.workload.num_classes), device=self.device)
         with self._autocast():
-            logits = torch.cat([self.model(x[s:s + batch_size]) for s in range(0, len(x), batch_size)])
+            logits = torch.cat([self.model(x[s:s + batch_size].to(self.device))
+                                for s in range(0, len(x), batch_size)])
         return torch.softmax(logits.float(), dim=1)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
@@ -297,7 +314,7 @@ class TorchBackend(Backend):
         losses = []
         for xb, yb in batches:
             with self._autocast():
-                logits = self.model(self.to_device(xb))
+                logits = self.model(self.to_device(xb).to(self.device))
                 loss = self._loss(logits, torch.from_numpy(yb.astype(np.int64)).to(self.device))
             self._backward_step(loss)
             losses.append(loss.item())
@@ -312,7 +329,7 @@ class TorchBackend(Backend):
         self.net.set_mode(dropout=False, update_statistics=False)
         try:
             with self._autocast():
-                logits = self.model(x)
+                logits = self.model(x.to(self.device))
         finally:
             self.net.set_mode(dropout=True, update_statistics=True)
         return torch.softmax(logits.float(), dim=1)

@@ -10,6 +10,9 @@ through ``benchbackend run`` in a worker process).
 ``SyncDevice`` and ``ToHostDevice``: the same on a virtual clock (``CLOCK``), the device work paid
 in ``sync`` or in ``to_host``, for exact tests of what a timed region includes (see below).
 
+``PlacingDevice``: copies to the device queued with the work, for tests of where the one-off copy
+of the run's arrays is timed (the ``build`` row, never an epoch or a pass).
+
 ``LowPeakNumpyBackend``: a GEMM probe that reads far too low.
 """
 from __future__ import annotations
@@ -140,3 +143,45 @@ class ToHostDevice(NumpyBackend):
 
     def to_host(self, value: Any) -> Any:
         return super().to_host(value.result() if isinstance(value, Pending) else value)
+
+
+#: Virtual seconds of every copy to the simulated device (``set_data`` and each ``to_device``).
+COPY_SECONDS = 0.125
+
+
+class PlacingDevice(NumpyBackend):
+    """One in-order queue of device work on ``CLOCK`` (a CUDA stream): each copy to the device
+    (``set_data``, ``to_device``) takes ``COPY_SECONDS`` and each ``scores``/``train_epoch``
+    ``DEVICE_SECONDS``; calls return at once, and ``sync`` or fetching a result (``to_host``, a
+    blocking copy) waits for everything queued. A region then reads exactly the work it queued
+    plus what was still queued when it began: a copy made before the clock but not waited for, or
+    made inside it, shows in that epoch or pass; one the build region does not wait for, nowhere."""
+
+    name = "placing"
+    busy_until = 0.0
+
+    def _queue(self, seconds: float) -> None:
+        self.busy_until = max(self.busy_until, CLOCK()) + seconds
+
+    def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        super().set_data(x_train, y_train)
+        self._queue(COPY_SECONDS)
+
+    def to_device(self, x: np.ndarray) -> Any:
+        self._queue(COPY_SECONDS)
+        return super().to_device(x)
+
+    def scores(self, x: Any, batch_size: int) -> Any:
+        self._queue(DEVICE_SECONDS)
+        return super().scores(x, batch_size)
+
+    def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
+        self._queue(DEVICE_SECONDS)
+        return super().train_epoch(order)
+
+    def sync(self) -> None:
+        CLOCK.wait_until(self.busy_until)
+
+    def to_host(self, value: Any) -> Any:
+        CLOCK.wait_until(self.busy_until)
+        return super().to_host(value)
