@@ -180,3 +180,14 @@ def test_importing_the_openvino_adapter_sends_no_telemetry():
             "import benchbackend.backends.openvino\nimport openvino as ov\nov.Core()\ntime.sleep(3)\nprint('quiet')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "quiet" in out.stdout, (out.returncode, out.stderr[-1500:])
+
+
+@requires_ort
+def test_onnxruntime_cuda_is_asked_for_strict_fp32_on_its_own_gpu():
+    """The CUDA provider runs float32 MatMul and Conv in TF32 on Ampere or newer unless told not
+    to, and on GPU 0 unless told which: its options carry both (checked without a GPU: the options
+    a CUDA cell would pass), and the cell records ``ieee``."""
+    backend = _adapter(ORT, _small())
+    assert backend.provider_spec() == "CPUExecutionProvider" and backend.math_mode() == "ieee"
+    backend.index, backend.provider = 1, "CUDAExecutionProvider"
+    assert backend.provider_spec() == ("CUDAExecutionProvider", {"device_id": 1, "use_tf32": 0})

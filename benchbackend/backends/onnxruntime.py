@@ -51,6 +51,7 @@ class OnnxRuntimeBackend(Backend):
                                      f"{', '.join(ort.get_available_providers())}); "
                                      "pip install onnxruntime-gpu on a CUDA machine")
         self.provider = provider
+        self.math = "ieee"  # fp32 only: TF32 off on the CUDA provider (see build), none on a CPU
         #: ONNX Runtime's name of the device the inputs and outputs are bound on.
         self.ort_device = "cpu" if self.index is None else "cuda"
         self.session: Optional[ort.InferenceSession] = None
@@ -81,8 +82,7 @@ class OnnxRuntimeBackend(Backend):
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if self.options.get("threads"):
             opts.intra_op_num_threads = int(self.options["threads"])
-        # The CUDA provider's device_id: without it ORT runs on GPU 0 whatever --device said.
-        provider = self.provider if self.index is None else (self.provider, {"device_id": self.index})
+        provider = self.provider_spec()
         self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=[provider])
         if self.session.get_providers()[0] != self.provider:
             # ORT falls back to the CPU silently when the CUDA provider fails to load (no cuDNN, ...).
@@ -90,6 +90,15 @@ class OnnxRuntimeBackend(Backend):
                                      f"the session runs on {self.session.get_providers()[0]}")
         self.binding = self.session.io_binding()
         return onnx_graph.param_count(model)
+
+    def provider_spec(self) -> Any:
+        """The session's provider with its options. The CUDA provider's ``device_id``: without it
+        ORT runs on GPU 0 whatever --device said. And ``use_tf32`` off: the provider runs float32
+        MatMul and Conv in TF32 on Ampere or newer unless told not to, and fp32 here is strict IEEE
+        on every backend (``backends/precision.py``)."""
+        if self.index is None:
+            return self.provider
+        return self.provider, {"device_id": self.index, "use_tf32": 0}
 
     def to_device(self, x: np.ndarray) -> Placed:
         """``x`` as one OrtValue on the session's device (on the host when the data is not on the
