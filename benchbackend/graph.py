@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .layers import (
     INPUT_NAME,
+    TOKEN_LAYERS,
     ActivationLayer,
     Add,
     BatchNorm,
@@ -28,6 +29,7 @@ from .layers import (
     MaxPool2D,
     activation_of,
 )
+from .transformer import node_fields
 
 if TYPE_CHECKING:
     from .workload import Workload
@@ -252,11 +254,14 @@ def _node(i: int, layer: Any, inputs: tuple[int, ...], shapes: tuple[Shape, ...]
         if max(max(pads[0]), max(pads[1])) >= layer.pool_size:
             raise ValueError(f"{label}: padding {layer.padding} must be smaller than the pool size {layer.pool_size}")
         return Node(**base, out_shape=(ho, wo, shape[2]), flops=math.prod(shape), pads=pads)
-    if isinstance(layer, Dense):
-        if len(shape) != 1:
-            raise ValueError(f"{label} needs a flat input (add a flatten layer), got shape {_shape(shape)}")
-        return Node(**base, out_shape=(layer.units,), weights=((shape[0], layer.units), (layer.units,)),
-                    trainable=(True, True), kernel=(True, False), flops=2 * shape[0] * layer.units)
+    if isinstance(layer, TOKEN_LAYERS):
+        return Node(**base, **node_fields(label, layer, shape))
+    if isinstance(layer, Dense):  # on a flat input, or on the last axis of a token sequence (T, d)
+        if len(shape) not in (1, 2):
+            raise ValueError(f"{label} needs a flat input (add a flatten layer) or a token sequence (T, d), "
+                             f"got shape {_shape(shape)}")
+        return Node(**base, out_shape=shape[:-1] + (layer.units,), weights=((shape[-1], layer.units), (layer.units,)),
+                    trainable=(True, True), kernel=(True, False), flops=2 * math.prod(shape) * layer.units)
     if isinstance(layer, BatchNorm):
         c = shape[-1]
         return Node(**base, out_shape=shape, weights=((c,),) * 4, trainable=(True, True, False, False),
@@ -269,9 +274,10 @@ def _node(i: int, layer: Any, inputs: tuple[int, ...], shapes: tuple[Shape, ...]
         flats = {_flat(p) for p in producers}
         return Node(**base, out_shape=shape, flops=(len(inputs) - 1) * math.prod(shape),
                     flat_from=flats.pop() if len(flats) == 1 else None)
-    if isinstance(layer, GlobalAvgPool):
-        _image(label, shape)
-        return Node(**base, out_shape=(shape[2],), flops=math.prod(shape))
+    if isinstance(layer, GlobalAvgPool):  # over the pixels of an image, or over the tokens of a sequence
+        if len(shape) != 2:
+            _image(label, shape)
+        return Node(**base, out_shape=(shape[-1],), flops=math.prod(shape))
     if isinstance(layer, Flatten):
         return Node(**base, out_shape=(math.prod(shape),), flat_from=shape if len(shape) == 3 else _flat(producers[0]))
     if isinstance(layer, (Dropout, ActivationLayer)):

@@ -10,7 +10,24 @@ converts to (the NumPy reference defines them):
   default 0.99) and ``epsilon`` (default 1e-3); the moving variance takes the *biased* batch
   variance; batch statistics in training steps, moving statistics in inference.
 - ``add``: two or more inputs of one shape, summed.
-- ``global_avgpool``: (H, W, C) -> (C,).
+- ``global_avgpool``: (H, W, C) -> (C,), or over the tokens: (T, d) -> (d,).
+- ``dense``: on a flat input (F,) -> (units,), or on the last axis of a token sequence (T, d) -> (T, units).
+- ``activation``: ``gelu`` is the exact form ``x * Phi(x)`` (erf; torch's and ``keras.activations.gelu``'s
+  default) unless ``approximate: true`` asks for the tanh form (``jax.nn.gelu``'s and ``keras.ops.gelu``'s
+  default); an inline ``activation: gelu`` on any layer is the exact form.
+
+The transformer layers work on token sequences (T, d), one sample's tokens as rows:
+
+- ``tokens``: (H, W, C) -> (H*W, C), row-major over (h, w): a strided conv2d's patch grid as tokens;
+- ``class_token``: (T, d) -> (T+1, d), a learned token prepended (token 0);
+- ``position_embedding``: a learned (T, d) table added;
+- ``layernorm``: over the last axis (biased variance), learned scale and offset; ``epsilon`` default
+  1e-6, that of the published ViT (big_vision/flax, torchvision's and timm's ViT), which none of the
+  frameworks' own defaults matches (torch 1e-5, Keras 1e-3): every adapter must pass it explicitly;
+- ``attention``: multi-head self-attention, ``heads`` of ``head_dim``: query, key, value and output
+  projections with biases, ``softmax(q k^T / sqrt(head_dim)) v`` per head (layout: ``model.py``);
+- ``select_token``: (T, d) -> (d,), the token at ``index`` (default 0: the class token);
+- ``dropout`` and ``add`` take token sequences as they are.
 
 Any layer may carry ``name`` (to be named in another layer's ``inputs``) and ``inputs`` (layer
 names, or ``input`` for the network input; default: the previous layer's output). Fields added
@@ -22,9 +39,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-Activation = Literal["none", "relu", "softmax", "tanh", "sigmoid"]
+Activation = Literal["none", "relu", "softmax", "tanh", "sigmoid", "gelu"]
 #: ``same``, ``valid``, one integer for every side, or ``((top, bottom), (left, right))``.
 Padding = Union[Literal["same", "valid"], Annotated[int, Field(ge=0)],
                 tuple[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]],
@@ -93,8 +110,17 @@ class Dense(_Layer):
 
 
 class ActivationLayer(_Layer):
+    LATER: ClassVar[tuple[str, ...]] = ("name", "inputs", "approximate")
     type: Literal["activation"]
     function: Activation
+    approximate: bool = Field(default=False, description="gelu only: `true` is the tanh form "
+                              "0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))); `false`, the exact x * Phi(x) (erf)")
+
+    @model_validator(mode="after")
+    def _approximate_is_gelu(self) -> "ActivationLayer":
+        if self.approximate and self.function != "gelu":
+            raise ValueError(f"`approximate` is for function gelu; the function is {self.function}")
+        return self
 
 
 class BatchNorm(_Layer):
@@ -114,12 +140,53 @@ class GlobalAvgPool(_Layer):
     type: Literal["global_avgpool"]
 
 
-Layer = Annotated[Union[Conv2D, MaxPool2D, Dropout, Flatten, Dense, ActivationLayer, BatchNorm, Add, GlobalAvgPool],
+class Tokens(_Layer):
+    type: Literal["tokens"]
+
+
+class ClassToken(_Layer):
+    type: Literal["class_token"]
+
+
+class PositionEmbedding(_Layer):
+    type: Literal["position_embedding"]
+
+
+class LayerNorm(_Layer):
+    type: Literal["layernorm"]
+    epsilon: float = Field(default=1e-6, gt=0.0, description="added to the variance (the published ViT's "
+                           "1e-6; torch's default is 1e-5, Keras' 1e-3)")
+
+
+class Attention(_Layer):
+    type: Literal["attention"]
+    heads: int = Field(gt=0, description="attention heads")
+    head_dim: int = Field(gt=0, description="query/key/value width of one head; scores are scaled by "
+                          "1/sqrt(head_dim)")
+
+
+class SelectToken(_Layer):
+    type: Literal["select_token"]
+    index: int = Field(default=0, ge=0, description="which token: 0 is the one `class_token` prepends")
+
+
+Layer = Annotated[Union[Conv2D, MaxPool2D, Dropout, Flatten, Dense, ActivationLayer, BatchNorm, Add, GlobalAvgPool,
+                        Tokens, ClassToken, PositionEmbedding, LayerNorm, Attention, SelectToken],
                   Field(discriminator="type")]
 LAYER_CLASSES: dict[str, type[_Layer]] = {
     "conv2d": Conv2D, "maxpool2d": MaxPool2D, "dropout": Dropout, "flatten": Flatten, "dense": Dense,
-    "activation": ActivationLayer, "batchnorm": BatchNorm, "add": Add, "global_avgpool": GlobalAvgPool}
+    "activation": ActivationLayer, "batchnorm": BatchNorm, "add": Add, "global_avgpool": GlobalAvgPool,
+    "tokens": Tokens, "class_token": ClassToken, "position_embedding": PositionEmbedding, "layernorm": LayerNorm,
+    "attention": Attention, "select_token": SelectToken}
 LAYER_TYPES = tuple(LAYER_CLASSES)
+#: The layers of token sequences (``transformer.py`` resolves them; ``dense``, ``dropout``, ``add``,
+#: ``activation`` and ``global_avgpool`` take tokens too).
+TOKEN_LAYERS = (Tokens, ClassToken, PositionEmbedding, LayerNorm, Attention, SelectToken)
+
+
+def gelu_approximate(layer: Any) -> bool:
+    """Whether ``layer``'s activation is GELU's tanh form (only an ``activation`` layer can ask for it)."""
+    return isinstance(layer, ActivationLayer) and layer.function == "gelu" and layer.approximate
 
 
 def activation_of(layer: Any) -> str:

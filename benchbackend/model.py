@@ -8,7 +8,21 @@ Canonical layout (what every adapter converts from):
   conv2d ``kernel`` HWIO ``(kh, kw, c_in, c_out)`` then ``bias (c_out,)`` when ``use_bias``;
   dense ``kernel (in, out)`` then ``bias (out,)``; batchnorm ``gamma, beta, moving_mean,
   moving_variance``, each ``(channels,)``; other layers have none;
-- a dense kernel's input rows follow NHWC flatten order ``(h, w, c)``.
+- a dense kernel's input rows follow NHWC flatten order ``(h, w, c)``;
+- token sequences ``(N, T, d)``, batch first, tokens in ``tokens``' row-major (h, w) order, the
+  class token (when there is one) first; a dense layer on tokens has the dense layout above, applied
+  to the last axis; layernorm ``gamma, beta``, each ``(d,)``; class token ``(d,)``; position
+  embedding ``(T, d)``, T counting the class token when it comes after one;
+- attention, eight arrays in this order: ``q_kernel (d, heads * head_dim)``, ``q_bias (heads * head_dim,)``,
+  ``k_kernel``, ``k_bias``, ``v_kernel``, ``v_bias`` (the same shapes), ``o_kernel (heads * head_dim, d)``,
+  ``o_bias (d,)``. Keras-dense order (``y = x @ kernel + bias``); column ``i * head_dim + j`` of a
+  q/k/v kernel is dimension j of head i (heads major), so Keras' ``MultiHeadAttention`` per-head
+  kernels are ``q_kernel.reshape(d, heads, head_dim)`` and its output kernel
+  ``o_kernel.reshape(heads, head_dim, d)``; torch's packed ``in_proj_weight`` is
+  ``concatenate([q_kernel.T, k_kernel.T, v_kernel.T])`` (``(3 * heads * head_dim, d)``, torch
+  needing ``heads * head_dim == d``) and ``out_proj.weight`` is ``o_kernel.T``. Per head, the
+  output is ``softmax(q k^T / sqrt(head_dim)) v``; the heads are concatenated in head order
+  before the output projection.
 
 For a straight stack of conv2d and dense layers that is ``[kernel0, bias0, kernel1, bias1, ...]``,
 Keras' ``get_weights`` order. The parameter count counts every array, batchnorm's moving
@@ -17,7 +31,12 @@ statistics included (non-trainable), as Keras' ``count_params()`` does.
 Initial weights are Keras' defaults: Glorot-uniform kernels, zero biases, gamma 1, beta 0,
 moving mean 0, moving variance 1. They are drawn from ``default_rng([seed, repeat, 0x5EED])``,
 one ``uniform`` per kernel in order, so they are deterministic in (seed, repeat) and a network of
-conv2d and dense layers only gets the weights it always got.
+conv2d and dense layers only gets the weights it always got. The transformer layers (the PyTorch
+ViT's choices where Keras has no default): attention's four kernels Glorot-uniform over their 2-D
+shapes and zero biases; layernorm gamma 1, beta 0; the class token 0; the position embedding
+``normal(0, 0.02)`` (``transformer.POSITION_STDDEV``), one ``standard_normal`` draw from the same
+generator, in weight order. Weight decay reaches the conv, dense and attention kernels only (not
+biases, norms, the class token or the position embedding).
 """
 from __future__ import annotations
 
@@ -28,12 +47,13 @@ import numpy as np
 
 from . import graph as graph_mod
 from .graph import Graph, Node, resolve, same_pads
-from .layers import BatchNorm, Conv2D, Dense, activation_of
+from .layers import TOKEN_LAYERS, BatchNorm, Conv2D, Dense, activation_of
+from .transformer import POSITION_STDDEV, initial_kind
 from .workload import Workload
 
 __all__ = ["TRAIN_FLOPS_FACTOR", "conv_out", "describe", "final_softmax", "flops_per_sample", "from_nchw_weights",
            "initial_weights", "kernel_mask", "nhwc_to_nchw_rows", "param_count", "same_pads", "to_nchw_weights",
-           "trainable_count", "weight_shapes"]
+           "trainable_count", "vocabulary", "weight_shapes"]
 
 
 def conv_out(size: int, kernel: int, stride: int, padding: Any) -> int:
@@ -51,6 +71,15 @@ def describe(workload: Workload) -> list[Node]:
 def param_count(workload: Workload) -> int:
     """Every weight array's size, batchnorm's moving statistics included (Keras' ``count_params``)."""
     return sum(n.params for n in describe(workload))
+
+
+def vocabulary(workload: Workload) -> set[str]:
+    """What the network asks of an adapter, in the words of the registry's ``BackendSpec.builds``:
+    its layer types, ``gelu`` when an activation is GELU, and ``tokens`` when a layer reads a
+    token sequence (T, d)."""
+    nodes = describe(workload)
+    words = {n.kind for n in nodes} | {"gelu" for n in nodes if n.activation == "gelu"}
+    return words | {"tokens" for n in nodes if any(len(s) == 2 for s in n.in_shapes)}
 
 
 def trainable_count(workload: Workload) -> int:
@@ -96,6 +125,10 @@ def initial_weights(workload: Workload, repeat: int = 0) -> list[np.ndarray]:
                 weights.append(rng.uniform(-limit, limit, size=shape).astype(np.float32))
             elif isinstance(node.layer, BatchNorm) and j in (0, 3):  # gamma, moving variance
                 weights.append(np.ones(shape, np.float32))
+            elif isinstance(node.layer, TOKEN_LAYERS) and initial_kind(node.layer, j) == "ones":
+                weights.append(np.ones(shape, np.float32))
+            elif isinstance(node.layer, TOKEN_LAYERS) and initial_kind(node.layer, j) == "normal":
+                weights.append((rng.standard_normal(shape) * POSITION_STDDEV).astype(np.float32))
             else:
                 weights.append(np.zeros(shape, np.float32))
     return weights

@@ -12,7 +12,7 @@ between them. ``sequential`` runs all repeats of one choice before the next (A A
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -103,18 +103,30 @@ class Cell:
 
 
 def cells(plan: RunPlan) -> list[Cell]:
-    """Every cell of the plan in run order (see the module docstring), ``order`` numbered from 0."""
+    """Every cell of the plan in run order (see the module docstring), ``order`` numbered from 0.
+    A choice whose adapter does not build a workload's layers (``BackendSpec.builds``) carries the
+    reason as its ``problem`` in that workload's cells: an ``unavailable`` row, no worker."""
     def pairs() -> Iterator[tuple[Workload, Choice, int]]:
         for w in plan.workloads:
+            choices = [_buildable(w, c) for c in plan.choices]
             if plan.order == "sequential":
-                yield from ((w, c, r) for c in plan.choices for r in range(1, plan.repeats + 1))
+                yield from ((w, c, r) for c in choices for r in range(1, plan.repeats + 1))
             else:
-                yield from ((w, c, r) for r in range(1, plan.repeats + 1) for c in plan.choices)
+                yield from ((w, c, r) for r in range(1, plan.repeats + 1) for c in choices)
 
     sizes: dict[str, set[int]] = {}
     for w in plan.workloads:
         sizes.setdefault(w.name, set()).add(w.training.batch_size)
     return [Cell(w, c, r, plan.repeats, i, sweep=len(sizes[w.name]) > 1) for i, (w, c, r) in enumerate(pairs())]
+
+
+def _buildable(w: Workload, choice: Choice) -> Choice:
+    """``choice``, with a ``problem`` when its backend's adapter cannot build ``w``'s network."""
+    from .model import vocabulary
+
+    spec = backends.BACKENDS.get(choice.backend)
+    why = "" if choice.problem or spec is None else spec.cannot_build(vocabulary(w))
+    return replace(choice, problem=why) if why else choice
 
 
 def _split(item: str) -> tuple[Optional[str], str]:

@@ -152,21 +152,26 @@ def moving_update(moving: Array, batch: Array, momentum: float) -> None:
 
 
 def global_avgpool(x: Array) -> Array:
-    return x.mean(axis=(1, 2))
+    """The mean over every axis but the batch's and the last: the pixels (NHWC) or the tokens (N, T, d)."""
+    return x.mean(axis=tuple(range(1, x.ndim - 1)))
 
 
 def global_avgpool_backward(g: Array, shape: tuple[int, ...]) -> Array:
     xp = get_array_module(g)
-    return xp.broadcast_to((g / (shape[1] * shape[2]))[:, None, None, :], shape).copy()
+    inner = shape[1:-1]
+    spread = (g / int(np.prod(inner))).reshape((shape[0],) + (1,) * len(inner) + (shape[-1],))
+    return xp.broadcast_to(spread, shape).copy()
 
 
 def dense(x: Array, w: Array, b: Array) -> tuple[Array, tuple]:
+    """``x @ w + b`` on the last axis: a flat (N, F) input or a token sequence (N, T, d)."""
     return x @ w + b, (x, w)
 
 
 def dense_backward(g: Array, cache: tuple) -> tuple[Array, Array, Array]:
     x, w = cache
-    return g @ w.T, x.T @ g, g.sum(axis=0)
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # tokens count as samples
+    return g @ w.T, x2.T @ g2, g2.sum(axis=0)
 
 
 def dropout(x: Array, rate: float, rng: Any) -> tuple[Array, Array]:

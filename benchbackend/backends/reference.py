@@ -45,6 +45,7 @@ from ..workload import (
     Workload,
 )
 from . import _numpy_ops as ops
+from . import _numpy_transformer as tr
 from .base import Backend, batches, gpu_index
 
 Array = ops.Array
@@ -116,10 +117,10 @@ class Network:
         for node in g.nodes:
             ins = [x if j == INPUT else values[j] for j in node.inputs]
             out, cache = self._layer(node, ins, g.weights_of(node, self.weights), rng, training, update)
-            fn = node.activation
+            fn = tr.activation(node.layer, node.activation)
             if node is g.output and fn == "softmax":
                 fn = "none"  # the loss (or ``forward``) applies it
-            pre, post = out, ops.activate(out, fn)
+            pre, post = out, tr.activate(out, fn)
             values.append(post)
             if keep:
                 tape.append((cache, fn, pre, post))
@@ -155,7 +156,7 @@ class Network:
             return x.reshape(len(x), -1), x.shape  # NHWC order, as the canonical dense kernel expects
         if isinstance(layer, ActivationLayer):
             return x, None
-        raise TypeError(f"unknown layer {layer!r}")
+        return tr.forward(layer, x, w)  # the transformer layers
 
     def _backward(self, g_out: Array, tape: list[tuple]) -> list[Array]:
         """Gradients of every weight array (None for the moving statistics), in weight order."""
@@ -166,7 +167,7 @@ class Network:
         for node in reversed(graph.nodes):
             cache, fn, pre, post = tape[node.index]
             g, pending[node.index] = pending[node.index], None
-            g = ops.activate_backward(g, fn, pre, post)
+            g = tr.activate_backward(g, fn, pre, post)
             ins, ws = self._layer_backward(node, g, cache)
             start = graph.offsets[node.index]
             for j, dw in enumerate(ws):
@@ -199,7 +200,7 @@ class Network:
             return [g if cache is None else g * cache], []
         if isinstance(layer, Flatten):
             return [g.reshape(cache)], []
-        return [g], []
+        return tr.backward(layer, g, cache)  # the transformer layers, and activation layers
 
 
 def network(workload: Workload, weights: Sequence[Array]) -> Network:

@@ -51,6 +51,15 @@ def gpu_index(device: str, backend: str) -> Optional[int]:
     return int(match.group(1))
 
 
+#: The network vocabulary every adapter builds (``model.vocabulary``'s words): the CNN layer types.
+CNN_LAYERS = ("conv2d", "maxpool2d", "dropout", "flatten", "dense", "activation", "batchnorm", "add",
+              "global_avgpool")
+#: The transformer's words: its layer types, ``tokens`` for any layer reading a token sequence
+#: (dense, dropout, add, global_avgpool on tokens) and ``gelu`` for the GELU activation.
+TRANSFORMER_LAYERS = ("tokens", "class_token", "position_embedding", "layernorm", "attention", "select_token",
+                      "gelu")
+
+
 def _no_env(device: str) -> dict[str, str]:
     return {}
 
@@ -89,6 +98,19 @@ class BackendSpec:
     #: ``--device`` forms it takes: literal names, ``N`` for an index, ``<...>`` for any id.
     devices: tuple[str, ...] = ("cpu", "gpu")
     capabilities: Capabilities = Capabilities()
+    #: What its adapter builds, in ``model.vocabulary``'s words; a workload asking for more gets an
+    #: ``unavailable`` row (``plan.cells``), decided before any worker starts.
+    builds: tuple[str, ...] = CNN_LAYERS
+
+    def cannot_build(self, words: Any) -> str:
+        """Why its adapter cannot build a network of ``words`` (``model.vocabulary``), "" when it can."""
+        missing = sorted(set(words) - set(self.builds))
+        if not missing:
+            return ""
+        gelu = " and the gelu activation" if "gelu" in missing else ""
+        types = [w for w in missing if w != "gelu"]
+        what = f"layer types {', '.join(types)}{gelu}" if types else gelu.removeprefix(" and ")
+        return f"{self.name}: {what} {'are' if types else 'is'} not implemented by this adapter yet"
 
     def accepts(self, device: str) -> bool:
         """Whether ``--device`` has one of the forms in ``devices`` ("cuda:N": N digits; "<id>": any id)."""

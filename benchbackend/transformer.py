@@ -1,0 +1,80 @@
+"""Shapes, weights and FLOPs of the transformer layers (``layers.TOKEN_LAYERS``), for ``graph.py``.
+
+A token sequence is one sample's (T, d): T tokens of width d. Weight shapes are the canonical ones
+(documented with the attention layout in ``model.py``); FLOPs count a multiply-add as 2, as
+``graph.py`` does for conv2d and dense, and the attention's count includes its two matrix
+products per head (``q k^T`` and ``p v``), not the softmax.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .layers import Attention, ClassToken, LayerNorm, PositionEmbedding, SelectToken, Tokens
+
+Shape = tuple[int, ...]
+
+
+def _shape(shape: Shape) -> str:
+    return "(" + ",".join(map(str, shape)) + ")"
+
+
+def _sequence(label: str, shape: Shape) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"{label} needs a token sequence (T, d), got shape {_shape(shape)} "
+                         "(a `tokens` layer turns an image into one)")
+    return shape  # type: ignore[return-value]
+
+
+def attention_flops(tokens: int, width: int, heads: int, head_dim: int) -> int:
+    """Forward FLOPs of one sample's self-attention: the four projections and, per head, the
+    ``q k^T`` scores and the ``p v`` mix (a multiply-add counted as 2)."""
+    inner = heads * head_dim
+    projections = 2 * tokens * width * inner * 3 + 2 * tokens * inner * width
+    return projections + 2 * 2 * heads * tokens * tokens * head_dim
+
+
+def node_fields(label: str, layer: Any, shape: Shape) -> dict[str, Any]:
+    """``graph.Node``'s fields for a transformer layer on one input of ``shape``: ``out_shape``, and
+    ``weights``/``trainable``/``kernel``/``flops`` where it has them. Raises ``ValueError`` (one line
+    naming the layer) when the input does not fit."""
+    if isinstance(layer, Tokens):
+        if len(shape) != 3:
+            raise ValueError(f"{label} needs an image input (H, W, C), got shape {_shape(shape)}")
+        return dict(out_shape=(shape[0] * shape[1], shape[2]))
+    if isinstance(layer, LayerNorm):  # over the last axis, of a sequence or a flat vector
+        d = shape[-1]
+        return dict(out_shape=shape, weights=((d,), (d,)), trainable=(True, True), kernel=(False, False),
+                    flops=2 * math.prod(shape))
+    t, d = _sequence(label, shape)
+    if isinstance(layer, ClassToken):
+        return dict(out_shape=(t + 1, d), weights=((d,),), trainable=(True,), kernel=(False,))
+    if isinstance(layer, PositionEmbedding):
+        return dict(out_shape=shape, weights=((t, d),), trainable=(True,), kernel=(False,), flops=t * d)
+    if isinstance(layer, Attention):
+        inner = layer.heads * layer.head_dim
+        weights = ((d, inner), (inner,)) * 3 + ((inner, d), (d,))
+        return dict(out_shape=shape, weights=weights, trainable=(True,) * 8, kernel=(True, False) * 4,
+                    flops=attention_flops(t, d, layer.heads, layer.head_dim))
+    if isinstance(layer, SelectToken):
+        if layer.index >= t:
+            raise ValueError(f"{label}: index {layer.index} is past the {t} tokens of its input")
+        return dict(out_shape=(d,))
+    raise TypeError(f"{label}: not a transformer layer: {layer!r}")
+
+
+#: The standard deviation of the position embedding's initial values (torchvision's ViT: normal, 0.02).
+POSITION_STDDEV = 0.02
+
+
+def initial_kind(layer: Any, j: int) -> str:
+    """How weight ``j`` of a transformer layer starts: ``glorot`` (attention kernels), ``normal``
+    (position embedding, ``POSITION_STDDEV``), ``ones`` (layernorm's scale) or ``zeros`` (biases,
+    layernorm's offset, the class token, as torchvision's ViT starts it)."""
+    if isinstance(layer, Attention):
+        return "glorot" if j % 2 == 0 else "zeros"
+    if isinstance(layer, PositionEmbedding):
+        return "normal"
+    if isinstance(layer, LayerNorm) and j == 0:
+        return "ones"
+    return "zeros"
