@@ -126,7 +126,7 @@ def test_every_registered_backend_runs_an_inference_only_cell_with_parity(name, 
     assert set(df["phase"]) <= {"build", "tune", "parity", "inference", "run"} and (df.phase == "inference").sum() == 5
     assert df[df.phase == "parity"]["parity_max_rel"].iloc[0] < 1e-4
     # The precision rule (backends/precision.py): fp32 is strict IEEE wherever the backend says so.
-    declares = {"numpy", "torch", "tensorflow", "jax", "keras-jax", "keras-torch"}
+    declares = {"numpy", "torch", "tensorflow", "jax", "keras-jax", "keras-torch", "onnxruntime"}
     assert set(df["math_mode"]) == ({"ieee"} if name in declares else {""})
     # The data placement rule (Backend.place_data): on a CPU every backend holds its arrays before
     # the clock but PlaidML, whose Keras 2 is fed host arrays batch by batch; and a CPU has no
