@@ -58,16 +58,21 @@ def _save(cache: dict[str, Any]) -> None:
         pass  # an unwritable cache only costs the probe again next time
 
 
-def probes(k: str) -> dict[str, tuple[float, str]]:
-    """Every probe stored for device key ``k``: {prober: (FLOP/s, date measured)}."""
-    entry = _load().get(k)
+def _probes(entry: Any) -> dict[str, tuple[float, str]]:
+    """The probes of one cache entry: {prober: (FLOP/s, date measured)}."""
+    found = entry.get("probes") if isinstance(entry, dict) else None
     out: dict[str, tuple[float, str]] = {}
-    for prober, probe in (entry.get("probes", {}) if isinstance(entry, dict) else {}).items():
+    for prober, probe in (found.items() if isinstance(found, dict) else ()):
         try:
             out[str(prober)] = float(probe["flops"]), str(probe["when"])
         except (TypeError, KeyError, ValueError):
             continue  # one damaged probe costs that probe again, not the others
     return out
+
+
+def probes(k: str) -> dict[str, tuple[float, str]]:
+    """Every probe stored for device key ``k``: {prober: (FLOP/s, date measured)}."""
+    return _probes(_load().get(k))
 
 
 def best(k: str) -> Optional[tuple[float, str, str]]:
@@ -82,12 +87,12 @@ def best(k: str) -> Optional[tuple[float, str, str]]:
 def store(k: str, prober: str, flops: float) -> float:
     """Keep the better of ``flops`` and ``prober``'s stored value (a peak is a maximum); returns the kept one."""
     cache = _load()
-    entry = cache.get(k) if isinstance(cache.get(k), dict) else {}
-    stored = probes(k).get(prober)
+    kept = _probes(cache.get(k))
+    stored = kept.get(prober)
     if stored is not None and stored[0] >= flops:
         return stored[0]
-    entry.setdefault("probes", {})[prober] = {"flops": flops, "when": time.strftime("%Y-%m-%d")}
-    cache[k] = entry
+    kept[prober] = (flops, time.strftime("%Y-%m-%d"))
+    cache[k] = {"probes": {p: {"flops": f, "when": w} for p, (f, w) in kept.items()}}
     _save(cache)
     return flops
 

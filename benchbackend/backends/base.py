@@ -66,7 +66,7 @@ import numpy as np
 from ..workload import Workload
 from .spec import gpu_index
 
-__all__ = ["Backend", "accuracy", "batches", "cross_entropy", "gemm_rate", "gpu_index"]
+__all__ = ["Backend", "CupyMemory", "accuracy", "batches", "cross_entropy", "gemm_rate", "gpu_index"]
 
 
 class Backend(ABC):
@@ -202,6 +202,25 @@ class Backend(ABC):
     def threads(self) -> int:
         """``thread_control``: the intra-op threads this framework really uses."""
         raise NotImplementedError(f"{self.name} does not report its threads")
+
+
+class CupyMemory:
+    """Device memory by CuPy's own counters, for the NumPy reference on a GPU and Chainer on CuPy
+    (``cupy`` None: a CPU cell, which has none). CuPy's pool reports what it holds now
+    (``total_bytes``), not a peak, so the peak is the largest value read so far, at row time: a
+    peak between two rows can be missed."""
+
+    def __init__(self, cupy: Any = None):
+        self.cupy, self.peak = cupy, 0
+
+    def free_bytes(self) -> Optional[int]:
+        return None if self.cupy is None else int(self.cupy.cuda.runtime.memGetInfo()[0])
+
+    def peak_mb(self) -> Optional[float]:
+        if self.cupy is None:
+            return None
+        self.peak = max(self.peak, int(self.cupy.get_default_memory_pool().total_bytes()))
+        return self.peak / 2**20
 
 
 def batches(order: np.ndarray, batch_size: int):

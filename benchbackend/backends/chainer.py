@@ -25,7 +25,7 @@ from ..errors import BackendUnavailable
 from ..graph import resolve
 from ..model import final_softmax, from_nchw_weights, to_nchw_weights
 from ..workload import Workload
-from .base import Backend, gpu_index
+from .base import Backend, CupyMemory, gpu_index
 from .chainer_graph import GraphChain, KerasNesterov
 
 
@@ -73,7 +73,7 @@ class ChainerBackend(Backend):
         if not self.gpu:
             self.device = chainer.get_device("@intel64" if mode == "ideep" else "@numpy")
         self.net: Optional[_Net] = None
-        self._device_peak = 0  # CuPy pool bytes, the most read so far (peak_device_mb)
+        self.memory = CupyMemory(cuda.cupy if self.gpu else None)
 
     @classmethod
     def probe(cls) -> dict:
@@ -173,18 +173,13 @@ class ChainerBackend(Backend):
         self.y_train = self._held(np.asarray(y_train, np.int32))
 
     def free_device_bytes(self) -> Optional[int]:
-        return int(cuda.cupy.cuda.runtime.memGetInfo()[0]) if self.gpu else None
+        return self.memory.free_bytes()
 
     def peak_device_mb(self) -> Optional[float]:
-        """CuPy's pool reports what it holds now (``total_bytes``), not a peak: the peak is the
-        largest value read so far, at row time (a peak between two rows can be missed)."""
-        if not self.gpu:
-            return None
-        self._device_peak = max(self._device_peak, cuda.cupy.get_default_memory_pool().total_bytes())
-        return self._device_peak / 2**20
+        return self.memory.peak_mb()
 
     def reset_device_peak(self) -> None:
-        self._device_peak = 0
+        self.memory.peak = 0
 
     # --- run --------------------------------------------------------------------------------
     def _masks(self, n: int, unit: bool) -> list[Any]:

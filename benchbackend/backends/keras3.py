@@ -269,28 +269,30 @@ class KerasTorchBackend(KerasBackend):
         return torch.cuda.get_device_name(torch.device(self.device))
 
     def sync(self) -> None:
-        if self.device != "cpu":  # on a CPU every torch op has finished when it returns
-            import torch
+        import torch
 
-            torch.cuda.synchronize(torch.device(self.device))
+        from .torch import synchronize
+
+        synchronize(torch.device(self.device))
         self._placed = []
 
     def free_device_bytes(self) -> Optional[int]:
-        if self.device == "cpu":
-            return None
         import torch
 
-        return torch.cuda.mem_get_info(torch.device(self.device))[0]
+        from .torch import cuda_memory
+
+        return cuda_memory(torch.device(self.device))[0]
 
     def peak_device_mb(self) -> Optional[float]:
-        if self.device == "cpu":
-            return None
         import torch
 
-        return torch.cuda.max_memory_allocated(torch.device(self.device)) / 2**20
+        from .torch import cuda_memory
+
+        return cuda_memory(torch.device(self.device))[1]
 
     def reset_device_peak(self) -> None:
-        if self.device != "cpu":
-            import torch
+        import torch
 
-            torch.cuda.reset_peak_memory_stats(torch.device(self.device))
+        from .torch import reset_cuda_peak
+
+        reset_cuda_peak(torch.device(self.device))

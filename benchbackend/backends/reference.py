@@ -46,7 +46,7 @@ from ..workload import (
 )
 from . import _numpy_ops as ops
 from . import _numpy_transformer as tr
-from .base import Backend, batches, gpu_index
+from .base import Backend, CupyMemory, batches, gpu_index
 
 Array = ops.Array
 
@@ -302,7 +302,7 @@ class NumpyBackend(Backend):
         self.optimizer: Optional[ops.Optimizer] = None
         self.rng: Any = None
         self.train_data: tuple[Array, Array] = (None, None)
-        self._device_peak = 0  # CuPy pool bytes, the most read so far (peak_device_mb)
+        self.memory = CupyMemory(None if self.xp is np else self.xp)
 
     @classmethod
     def probe(cls) -> dict:
@@ -351,18 +351,13 @@ class NumpyBackend(Backend):
             self.xp.cuda.Stream.null.synchronize()  # CuPy kernels are asynchronous
 
     def free_device_bytes(self) -> Optional[int]:
-        return None if self.xp is np else int(self.xp.cuda.runtime.memGetInfo()[0])
+        return self.memory.free_bytes()
 
     def peak_device_mb(self) -> Optional[float]:
-        """CuPy's pool reports what it holds now (``total_bytes``), not a peak: the peak is the
-        largest value read so far, at row time (a peak between two rows can be missed)."""
-        if self.xp is np:
-            return None
-        self._device_peak = max(self._device_peak, self.xp.get_default_memory_pool().total_bytes())
-        return self._device_peak / 2**20
+        return self.memory.peak_mb()
 
     def reset_device_peak(self) -> None:
-        self._device_peak = 0
+        self.memory.peak = 0
 
     def _net(self) -> Network:
         if self.net is None:

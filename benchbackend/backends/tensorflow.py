@@ -22,8 +22,6 @@ from .keras_layers import KerasNet, keras3_build, keras3_optimizer
 from .precision import capability_of, check_tf32, math_mode
 
 _POLICY = {"fp32": "float32", "tf32": "float32", "bf16": "mixed_bfloat16"}
-#: Waits for every device (TF 2.14 and later).
-_SYNC_DEVICES = getattr(getattr(tf.test, "experimental", None), "sync_devices", None)
 
 
 class _PolicyLayers:
@@ -178,13 +176,9 @@ class TensorFlowBackend(Backend):
 
     def sync(self) -> None:
         """Wait for every device: TensorFlow's eager ops return before a GPU (or an async executor)
-        has run them. ``sync_devices`` runs a SyncDevice op on each device and waits for the
-        executor, on a CPU too; without it (TF < 2.14), a value fetched from the device's queue."""
-        if _SYNC_DEVICES is not None:
-            _SYNC_DEVICES()
-        else:
-            with tf.device(self.device):
-                tf.identity(tf.constant(0.0)).numpy()  # one stream, in order: earlier ops are done
+        has run them. ``sync_devices`` (TF 2.14 and later; the extra needs 2.16) runs a SyncDevice
+        op on each device and waits for the executor, on a CPU too."""
+        tf.test.experimental.sync_devices()
 
     def peak_device_mb(self) -> float | None:
         if not self.device.startswith("/GPU"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -48,6 +48,26 @@ def cuda_device(device: str, backend: str) -> torch.device:
         raise BackendUnavailable(f"{backend}: torch sees {torch.cuda.device_count()} CUDA GPU(s); there is no "
                                  f"cuda:{index}")
     return torch.device("cuda", index)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device`` (shared by torch and keras-torch); on a CPU every torch op has finished
+    when it returns."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cuda_memory(device: torch.device) -> tuple[Optional[int], Optional[float]]:
+    """(free bytes, peak MiB allocated since the last ``reset_cuda_peak``) of ``device`` by torch's
+    own counters; (None, None) on a CPU, which keeps none. Shared by torch and keras-torch."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.mem_get_info(device)[0], torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def set_math(device: torch.device, precision: str, backend: str) -> str:
@@ -143,18 +163,16 @@ class TorchBackend(Backend):
         return gemm_rate(make, cpu=self.device.type != "cuda")
 
     def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # on a CPU every torch op has finished when it returns
+        synchronize(self.device)
 
     def free_device_bytes(self) -> int | None:
-        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        return cuda_memory(self.device)[0]
 
     def peak_device_mb(self) -> float | None:
-        return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+        return cuda_memory(self.device)[1]
 
     def reset_device_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        reset_cuda_peak(self.device)
 
     def to_host(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
