@@ -123,21 +123,21 @@ def attention(x: Array, w: Sequence[Array], heads: int, head_dim: int) -> tuple[
 
 
 def attention_backward(g: Array, cache: tuple) -> tuple[Array, list[Array]]:
+    """The four projections are dense layers on the tokens: ``ops.dense_backward`` takes them."""
     x, q, k, v, p, mixed, w, scale = cache
     wq, _, wk, _, wv, _, wo, _ = w
     heads = q.shape[1]
-    flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731 - tokens count as samples
-    d_wo, d_bo = flat(mixed).T @ flat(g), flat(g).sum(axis=0)
-    d_mixed = _split(g @ wo.T, heads)
+    g_mixed, d_wo, d_bo = ops.dense_backward(g, (mixed, wo))
+    d_mixed = _split(g_mixed, heads)
     d_p = d_mixed @ v.transpose(0, 1, 3, 2)
     d_v = p.transpose(0, 1, 3, 2) @ d_mixed
     d_s = p * (d_p - (d_p * p).sum(axis=-1, keepdims=True)) * scale  # softmax, then the scaling
     d_q, d_k = d_s @ k, d_s.transpose(0, 1, 3, 2) @ q
     dx, grads = 0, []
     for d_out, kernel in ((d_q, wq), (d_k, wk), (d_v, wv)):
-        d_proj = _merge(d_out)
-        dx = dx + d_proj @ kernel.T
-        grads += [flat(x).T @ flat(d_proj), flat(d_proj).sum(axis=0)]
+        g_x, d_kernel, d_bias = ops.dense_backward(_merge(d_out), (x, kernel))
+        dx = dx + g_x
+        grads += [d_kernel, d_bias]
     return dx, grads + [d_wo, d_bo]
 
 
