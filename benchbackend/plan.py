@@ -125,7 +125,7 @@ def _buildable(w: Workload, choice: Choice) -> Choice:
     from .model import vocabulary
 
     spec = backends.BACKENDS.get(choice.backend)
-    why = "" if choice.problem or spec is None else spec.cannot_build(vocabulary(w))
+    why = "" if choice.problem or spec is None else spec.cannot_build(vocabulary(w), choice.mode)
     return replace(choice, problem=why) if why else choice
 
 

@@ -5,6 +5,7 @@ the registry's `unavailable` for adapters that do not build these layers yet."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -16,7 +17,7 @@ from benchbackend import model, plan, results, workload
 from benchbackend.backends import BACKENDS
 from benchbackend.backends import _numpy_transformer as tr
 from benchbackend.backends.reference import Network, forward
-from benchbackend.backends.spec import CNN_LAYERS, TRANSFORMER_LAYERS
+from benchbackend.backends.spec import CNN_LAYERS, TRANSFORMER_LAYERS, Mode
 from benchbackend.errors import WorkloadError
 from benchbackend.layers import LAYER_TYPES
 from benchbackend.workload import Layer
@@ -223,11 +224,25 @@ def test_the_registry_declares_what_each_adapter_builds() -> None:
     assert model.vocabulary(workload.load("resnet8")) <= set(CNN_LAYERS)
     for name, spec in BACKENDS.items():
         why = spec.cannot_build(words)
-        assert (why == "") == (name == "numpy")
+        assert (why == "") == (set(TRANSFORMER_LAYERS) <= set(spec.builds)), name
         assert why == "" or why.startswith(f"{name}: layer types attention, class_token, layernorm")
+    cnn_only = replace(BACKENDS["numpy"], name="cnn-only", builds=CNN_LAYERS)
+    assert cnn_only.cannot_build(words).endswith("not implemented by this adapter yet")
+    noted = replace(cnn_only, builds_note="its framework has no layer normalization")
+    assert noted.cannot_build(words).endswith("not implemented: its framework has no layer normalization")
 
 
-def test_the_plan_gives_other_backends_an_unavailable_choice_for_a_vit() -> None:
+def test_a_mode_about_attention_is_unavailable_on_a_network_without_it() -> None:
+    modes = (Mode("plain", "p"), Mode("fused", "f", needs=("attention",)))
+    spec = replace(BACKENDS["numpy"], name="fused", modes=modes)
+    vit, cnn = model.vocabulary(workload.load("vit-tiny")), model.vocabulary(workload.load("resnet8"))
+    assert spec.cannot_build(vit, "fused") == "" and spec.cannot_build(cnn, "plain") == ""
+    assert spec.cannot_build(cnn, "fused") == ("fused:fused is about attention layers and this network has none "
+                                               "(it would time fused:plain again)")
+
+
+def test_the_plan_gives_a_backend_that_cannot_build_a_vit_an_unavailable_choice(monkeypatch: Any) -> None:
+    monkeypatch.setitem(BACKENDS, "torch", replace(BACKENDS["torch"], builds=CNN_LAYERS))
     loaded = [workload.load("vit-tiny"), workload.load("mnist")]
     choices = plan.resolve(["numpy", "torch"], [], [])
     cells = plan.cells(plan.RunPlan(workloads=loaded, choices=choices))
@@ -260,7 +275,9 @@ def run_here(monkeypatch: Any, *args: str) -> Any:
     return CliRunner().invoke(main, ["run", *args, "--no-plots", "--quiet"])
 
 
-def test_vit_tiny_trains_on_numpy_and_torch_says_unavailable(tmp_path: Any, monkeypatch: Any) -> None:
+def test_vit_tiny_trains_on_numpy_and_a_backend_that_cannot_build_it_says_unavailable(tmp_path: Any,
+                                                                                     monkeypatch: Any) -> None:
+    monkeypatch.setitem(BACKENDS, "torch", replace(BACKENDS["torch"], builds=CNN_LAYERS))
     out_csv = tmp_path / "vit.csv"
     out = run_here(monkeypatch, "vit-tiny", "-b", "numpy", "-b", "torch", "--data", "synthetic", "--limit", "512",
                    "--epochs", "2", "--repeats", "1", "-o", str(out_csv))

@@ -19,6 +19,9 @@ class Mode:
 
     name: str
     description: str
+    #: ``model.vocabulary`` words the mode is about (``attention`` for a fused attention kernel): on a
+    #: workload with none of them it would time the default mode again, so its cells are ``unavailable``.
+    needs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,16 +104,24 @@ class BackendSpec:
     #: What its adapter builds, in ``model.vocabulary``'s words; a workload asking for more gets an
     #: ``unavailable`` row (``plan.cells``), decided before any worker starts.
     builds: tuple[str, ...] = CNN_LAYERS
+    #: Why it does not build the rest (the framework lacks the ops, say); "" for "not yet".
+    builds_note: str = ""
 
-    def cannot_build(self, words: Any) -> str:
-        """Why its adapter cannot build a network of ``words`` (``model.vocabulary``), "" when it can."""
+    def cannot_build(self, words: Any, mode: Optional[str] = None) -> str:
+        """Why its adapter cannot build a network of ``words`` (``model.vocabulary``) in ``mode``
+        (default: its first), "" when it can."""
         missing = sorted(set(words) - set(self.builds))
-        if not missing:
-            return ""
-        gelu = " and the gelu activation" if "gelu" in missing else ""
-        types = [w for w in missing if w != "gelu"]
-        what = f"layer types {', '.join(types)}{gelu}" if types else gelu.removeprefix(" and ")
-        return f"{self.name}: {what} {'are' if types else 'is'} not implemented by this adapter yet"
+        if missing:
+            gelu = " and the gelu activation" if "gelu" in missing else ""
+            types = [w for w in missing if w != "gelu"]
+            what = f"layer types {', '.join(types)}{gelu}" if types else gelu.removeprefix(" and ")
+            why = f": {self.builds_note}" if self.builds_note else " by this adapter yet"
+            return f"{self.name}: {what} {'are' if types else 'is'} not implemented{why}"
+        needs = next((m.needs for m in self.modes if m.name == mode), ())
+        if needs and not set(needs) & set(words):
+            return (f"{self.name}:{mode} is about {' or '.join(needs)} layers and this network has none "
+                    f"(it would time {self.name}:{self.default_mode} again)")
+        return ""
 
     def accepts(self, device: str) -> bool:
         """Whether ``--device`` has one of the forms in ``devices`` ("cuda:N": N digits; "<id>": any id)."""
