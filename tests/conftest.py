@@ -217,3 +217,45 @@ def built_env(envs_root: Path, name: str, probe, label: str):
             raise
     assert st.ready, st.message
     return st
+
+
+#: Every backend that trains, and the inference-only runtimes (the registry's order).
+TRAINING = ["numpy", "torch", "tensorflow", "jax", "keras-jax", "keras-torch", "plaidml", "chainer"]
+INFERENCE = ["onnxruntime", "openvino", "tvm"]
+#: Backends whose cells run in this process; the others need a worker process of their own
+#: (Keras picks its framework on import; OpenVINO beside other frameworks once crashed a process).
+IN_PROCESS = {"numpy", "torch", "tensorflow", "jax"}
+
+
+def _isolated_cell(tmp_path: Path, w, backend: str, env, **fields) -> list[dict]:
+    import json
+    import subprocess
+
+    from benchbackend import backends, checks, envs
+
+    spec = backends.get(backend)
+    job = make_job(tmp_path, w, backend, **fields)
+    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=job.to_json(), text=True,
+                          capture_output=True, timeout=900, env={**envs.worker_env(), **spec.env(job.device)})
+    msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert proc.returncode == 0 and not [m for m in msgs if m.get("type") == "error"], proc.stderr[-3000:]
+    rows = [m for m in msgs if m.get("type") == "row"]
+    return [checks.trajectory(r, w) if r.get("losses") is not None else r for r in rows]
+
+
+def any_cell(tmp_path: Path, w, backend: str, envs_root: Path, **fields) -> list[dict]:
+    """The rows of one cell of ``backend`` (the trajectory decided), run where that backend must run:
+    in this process, in a worker process, or in its isolated environment's interpreter (built under
+    ``envs_root`` if need be)."""
+    from benchbackend import backends, envs
+
+    if backend in IN_PROCESS:
+        return run_cell(tmp_path, w, backend, **fields)[1]
+    spec = backends.get(backend)
+    if spec.isolated_env:
+        label = {"plaidml": "PlaidML", "chainer": "Chainer"}.get(backend, backend)
+        env = built_env(envs_root, backend, envs.Probe(backend, spec.target, spec.env("cpu")), label)
+        return _isolated_cell(tmp_path, w, backend, env, **fields)
+    rows, outcome, _ = spawn_cell(tmp_path, w, backend, **fields)
+    assert outcome.status == "done", outcome
+    return rows

@@ -11,23 +11,11 @@ lands far from it; the torch controls below plant each of those and see the chec
 """
 from __future__ import annotations
 
-import json
-import subprocess
-from pathlib import Path
-from typing import Any
-
 import pytest
 
-from benchbackend import backends, checks, envs, workload
+from benchbackend import workload
 from benchbackend.workload import Workload
-from conftest import backend_params, built_env, make_job, run_cell, spawn_cell
-
-TRAINING = ["numpy", "torch", "tensorflow", "jax", "keras-jax", "keras-torch", "plaidml", "chainer"]
-INFERENCE = ["onnxruntime", "openvino", "tvm"]
-#: Backends whose cells run in this process; the others need a worker process of their own
-#: (Keras picks its framework on import; OpenVINO beside other frameworks once crashed a process).
-IN_PROCESS = {"numpy", "torch", "tensorflow", "jax"}
-ISOLATED = {"plaidml", "chainer"}
+from conftest import INFERENCE, TRAINING, any_cell, backend_params, run_cell
 
 
 def trap() -> Workload:
@@ -40,31 +28,6 @@ def trap() -> Workload:
                   {"type": "flatten"}, {"type": "dense", "units": 4, "activation": "softmax"}],
         "training": {"optimizer": "sgd", "lr": 1e-9, "batch_size": 2, "epochs": 1},
         "inference": {"batch_size": 8, "repeats": 1}})
-
-
-def _isolated(tmp_path: Path, w: Workload, backend: str, env: envs.EnvStatus, **fields: Any) -> list[dict]:
-    spec = backends.get(backend)
-    job = make_job(tmp_path, w, backend, **fields)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=job.to_json(), text=True,
-                          capture_output=True, timeout=900, env={**envs.worker_env(), **spec.env(job.device)})
-    msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    assert proc.returncode == 0 and not [m for m in msgs if m.get("type") == "error"], proc.stderr[-3000:]
-    rows = [m for m in msgs if m.get("type") == "row"]
-    return [checks.trajectory(r, w) if r.get("losses") is not None else r for r in rows]
-
-
-def cell(tmp_path: Path, w: Workload, backend: str, envs_root: Path, **fields: Any) -> list[dict]:
-    """The rows of one cell of ``backend``, run where that backend must run."""
-    if backend in IN_PROCESS:
-        return run_cell(tmp_path, w, backend, **fields)[1]
-    if backend in ISOLATED:
-        label = {"plaidml": "PlaidML", "chainer": "Chainer"}[backend]
-        spec = backends.get(backend)
-        env = built_env(envs_root, backend, envs.Probe(backend, spec.target, spec.env("cpu")), label)
-        return _isolated(tmp_path, w, backend, env, **fields)
-    rows, outcome, _ = spawn_cell(tmp_path, w, backend, **fields)
-    assert outcome.status == "done", outcome
-    return rows
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +44,7 @@ def val_loss(rows: list[dict]) -> float:
 def test_batchnorm_follows_keras_conventions_on_every_training_backend(tmp_path, envs_root, reference_val_loss,
                                                                        backend):
     w = trap()
-    rows = cell(tmp_path, w, backend, envs_root)
+    rows = any_cell(tmp_path, w, backend, envs_root)
     parity = [r for r in rows if r["phase"] == "parity"]
     assert len(parity) == 2 and "training mode" in parity[1]["notes"]  # both batchnorm modes checked
     for r in parity:
@@ -140,7 +103,7 @@ def tiny_resnet8() -> Workload:
 def test_resnet8_smoke(tmp_path, envs_root, backend):
     w = tiny_resnet8()
     trains = backend in TRAINING
-    rows = cell(tmp_path, w, backend, envs_root, parity_steps=2 if trains else 0)
+    rows = any_cell(tmp_path, w, backend, envs_root, parity_steps=2 if trains else 0)
     phases = [r["phase"] for r in rows]
     assert phases.count("train_epoch") == (1 if trains else 0) and "inference" in phases, phases
     parity = [r for r in rows if r["phase"] == "parity" and not r.get("steps")]
