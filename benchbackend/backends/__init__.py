@@ -129,7 +129,8 @@ BACKENDS: dict[str, BackendSpec] = {
                                                 "per input shape, then replayed"),
                            Mode("ideep", "define-by-run on Intel iDeep (MKL-DNN) kernels; needs ideep4py "
                                          "(no wheels for Python >= 3.8)")),
-                    optional=("cupy",), isolated_env="chainer", devices=("cpu", *_GPU)),
+                    optional=("cupy",), isolated_env="chainer", devices=("cpu", *_GPU),
+                    builds=CNN_LAYERS + TRANSFORMER_LAYERS),
         BackendSpec("plaidml", _adapter("plaidml", "PlaidMLBackend"), ("plaidml",), "plaidml",
                     "benchbackend setup plaidml", "PlaidML 0.7 + Keras 2.2.4 (OpenCL, LLVM CPU)",
                     modes=(Mode("keras2", "Keras 2.2.4 train_on_batch/predict, batches fed from host memory"),),

@@ -148,12 +148,13 @@ class ChainerBackend(Backend):
         converted = to_nchw_weights(self.workload, weights)
         if len(targets) != len(converted):
             raise ValueError(f"the chain has {len(targets)} weight arrays; got {len(converted)}")
-        for target, w in zip(targets, converted):
-            target[...] = w
+        for target, w, transposed in zip(targets, converted, self.net.transposed()):
+            target[...] = w.T if transposed else w
 
     def get_weights(self) -> list[np.ndarray]:
         assert self.net is not None
-        return from_nchw_weights(self.workload, [cuda.to_cpu(a) for a in self.net.arrays()])
+        return from_nchw_weights(self.workload, [cuda.to_cpu(a.T if transposed else a)
+                                                 for a, transposed in zip(self.net.arrays(), self.net.transposed())])
 
     # --- data -------------------------------------------------------------------------------
     # ``data_on_device``: the arrays are sent to the device (CuPy arrays on a GPU) and epochs gather

@@ -10,10 +10,13 @@ Where Chainer's defaults differ from the reference's, this module converts:
   through ``F.batch_normalization`` without running statistics, and the moving ones are updated
   with Keras' momentum and the biased variance;
 - Nesterov's SGD (:class:`KerasNesterov`): Chainer's ``NesterovAG`` steps by
-  ``momentum**2 * v - (1 + momentum) * lr * g`` with the new ``v``, Keras by ``momentum * v - lr * g``.
+  ``momentum**2 * v - (1 + momentum) * lr * g`` with the new ``v``, Keras by ``momentum * v - lr * g``;
+- the transformer layers: ``chainer_transformer`` (a dense layer on tokens is ``L.Linear`` on the
+  last axis, ``n_batch_axes=2``).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator
 
 import chainer
@@ -23,7 +26,20 @@ import numpy as np
 from chainer.optimizers.momentum_sgd import MomentumSGD, MomentumSGDRule
 
 from ..graph import INPUT, Graph, Node
-from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
+from ..layers import (
+    TOKEN_LAYERS,
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    MaxPool2D,
+    gelu_approximate,
+)
+from .chainer_transformer import TokenLink, gelu, token_op
 
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
     "relu": F.relu, "tanh": F.tanh, "sigmoid": F.sigmoid, "softmax": lambda h: F.softmax(h, axis=1)}
@@ -114,6 +130,10 @@ class GraphChain(chainer.Chain):
         i = node.index
         fn = "none" if i == last and node.activation == "softmax" else node.activation
         act = _ACTIVATIONS.get(fn)
+        if fn == "gelu":
+            act = functools.partial(gelu, approximate=gelu_approximate(node.layer))
+        elif fn == "softmax" and len(node.out_shape) == 2:  # tokens (N, T, d): over d
+            act = functools.partial(F.softmax, axis=2)
         op = self._layer_op(node)
         self.holders.append(getattr(self, f"l{i}", None))
         return op if act is None else (lambda ins, masks, op=op, act=act: act(op(ins, masks)))
@@ -131,9 +151,15 @@ class GraphChain(chainer.Chain):
             widths = ((0, 0), (0, 0), (top, bottom), (left, right))  # TF puts the odd pixel after
             return lambda ins, masks: link(F.pad(ins[0], widths, "constant"))
         if isinstance(layer, Dense):
-            link = L.Linear(node.in_shape[0], layer.units)
+            link = L.Linear(node.in_shape[-1], layer.units)
             setattr(self, f"l{i}", link)
-            return lambda ins, masks: link(ins[0])
+            axes = len(node.in_shape)  # 2 on tokens (N, T, d): the last axis
+            return lambda ins, masks: link(ins[0], n_batch_axes=axes)
+        if isinstance(layer, TOKEN_LAYERS):
+            holder, op = token_op(node)
+            if holder is not None:
+                setattr(self, f"l{i}", holder)
+            return op
         if isinstance(layer, BatchNorm):
             link = BatchNormKeras(node.in_shape[-1], layer.momentum, layer.epsilon)
             setattr(self, f"l{i}", link)
@@ -143,7 +169,8 @@ class GraphChain(chainer.Chain):
         if isinstance(layer, Add):
             return lambda ins, masks: sum(ins[1:], ins[0])
         if isinstance(layer, GlobalAvgPool):
-            return lambda ins, masks: F.average(ins[0], axis=(2, 3))
+            axes = 1 if len(node.in_shape) == 2 else (2, 3)  # over the tokens, or over H and W
+            return lambda ins, masks: F.average(ins[0], axis=axes)
         if isinstance(layer, Dropout):
             self.dropouts.append((layer.rate, _nchw_shape(node.in_shape)))
             return self._dropout(layer.rate)
@@ -187,12 +214,33 @@ class GraphChain(chainer.Chain):
         for link in self.holders:
             if isinstance(link, BatchNormKeras):
                 out += [link.gamma.array, link.beta.array, link.avg_mean, link.avg_var]
+            elif isinstance(link, TokenLink):
+                out += link.arrays()
             elif link is not None:
                 out += [link.W.array] + ([link.b.array] if link.b is not None else [])
         return out
 
+    def transposed(self) -> list[bool]:
+        """Per array of ``arrays``: is it the transpose of ``model.to_nchw_weights``' array (attention's kernels)?"""
+        out: list[bool] = []
+        for link in self.holders:
+            if isinstance(link, TokenLink):
+                out += link.TRANSPOSED
+            elif isinstance(link, BatchNormKeras):
+                out += [False] * 4
+            elif link is not None:
+                out += [False] * (1 + (link.b is not None))
+        return out
+
     def kernels(self) -> list[Any]:
-        return [link.W for link in self.holders if isinstance(link, (L.Convolution2D, L.Linear))]
+        """The weights that weight decay reaches: conv, dense and attention kernels."""
+        out = []
+        for link in self.holders:
+            if isinstance(link, (L.Convolution2D, L.Linear)):
+                out.append(link.W)
+            elif isinstance(link, TokenLink):
+                out += link.kernels()
+        return out
 
     def set_update(self, update: bool) -> None:
         for link in self.holders:
