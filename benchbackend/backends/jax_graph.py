@@ -5,7 +5,9 @@ permutation, so the canonical layout is JAX's own; paddings are the graph's expl
 'same' included), and ``reduce_window`` pads a max-pool with its ``-inf`` init value, so a pad
 never wins a max. Batchnorm follows the reference: batch statistics (biased variance, computed in
 float32) in a training pass, which returns them so the caller can update the moving statistics
-with Keras' momentum; the moving statistics in inference.
+with Keras' momentum; the moving statistics in inference. The transformer layers are
+``jax_transformer``'s; dense, dropout and add take token sequences (N, T, d) as they are, and
+global_avgpool averages over the tokens.
 """
 from __future__ import annotations
 
@@ -16,8 +18,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..graph import INPUT, Graph, Node, resolve
-from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
+from ..layers import (
+    TOKEN_LAYERS,
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    MaxPool2D,
+)
 from ..workload import Workload
+from . import jax_transformer
 
 Params = list[jax.Array]
 #: ``logits(params, x, key, train)`` -> (scores before a final softmax, [(batch mean, batch variance)
@@ -34,6 +48,8 @@ def activate(x: jax.Array, fn: str) -> jax.Array:
         return jax.nn.sigmoid(x)
     if fn == "softmax":
         return jax.nn.softmax(x, axis=-1)
+    if fn in ("gelu", jax_transformer.GELU_TANH):
+        return jax_transformer.gelu(x, approximate=fn == jax_transformer.GELU_TANH)
     return x
 
 
@@ -55,7 +71,7 @@ def _apply(node: Node, ins: list, w: list, key: Optional[jax.Array], train: bool
         y = lax.conv_general_dilated(x, w[0], (layer.stride, layer.stride), list(node.pads),
                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return y + w[1] if layer.use_bias else y
-    if isinstance(layer, Dense):
+    if isinstance(layer, Dense):  # on a flat input or the last axis of tokens
         return x @ w[0] + w[1]
     if isinstance(layer, MaxPool2D):
         s, k = layer.stride or layer.pool_size, layer.pool_size
@@ -67,8 +83,8 @@ def _apply(node: Node, ins: list, w: list, key: Optional[jax.Array], train: bool
         for other in ins[1:]:
             out = out + other
         return out
-    if isinstance(layer, GlobalAvgPool):
-        return jnp.mean(x, axis=(1, 2))
+    if isinstance(layer, GlobalAvgPool):  # over the pixels (N, H, W, C) or the tokens (N, T, d)
+        return jnp.mean(x, axis=(1, 2) if x.ndim == 4 else 1)
     if isinstance(layer, Dropout):
         if key is not None and layer.rate > 0:  # inverted dropout, as Keras
             keep = jax.random.bernoulli(jax.random.fold_in(key, node.index), 1.0 - layer.rate, x.shape)
@@ -78,6 +94,8 @@ def _apply(node: Node, ins: list, w: list, key: Optional[jax.Array], train: bool
         return x.reshape(x.shape[0], -1)  # NHWC order: the canonical dense rows
     if isinstance(layer, ActivationLayer):
         return x
+    if isinstance(layer, TOKEN_LAYERS):
+        return jax_transformer.apply(layer, x, w)
     raise TypeError(f"{node.label()}: no JAX translation")
 
 
@@ -85,7 +103,8 @@ def make_forward(workload: Workload) -> tuple[Forward, Graph]:
     """The network's forward function, and the graph it walks."""
     g = resolve(workload)
     last = g.output.index
-    fns = ["none" if n.index == last and n.activation == "softmax" else n.activation for n in g.nodes]
+    fns = ["none" if n.index == last and n.activation == "softmax"
+           else jax_transformer.activation(n.layer, n.activation) for n in g.nodes]
 
     def logits(params: Params, x: jax.Array, key: Optional[jax.Array], train: bool) -> tuple[jax.Array, list]:
         values: dict[int, Any] = {INPUT: x}
