@@ -11,11 +11,14 @@ where an NCHW op first reads it; conv kernels go HWIO -> OIHW; every padding (TF
 included) is explicit pads (MaxPool's never win a max); batchnorm is ONNX's inference-mode
 BatchNormalization on the moving statistics (runtimes fold it into the conv); a dense layer (or
 batchnorm) behind a flatten of NCHW activations gets its rows permuted to NCHW order.
+
+A transformer's token sequences are ``[batch, T, d]`` (``onnx_transformer.py``: its layers, dense and
+average pool on tokens, GELU); the conv's NCHW output becomes tokens in row-major (h, w) order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import onnx
@@ -24,9 +27,21 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import BackendUnavailable
 from ..graph import INPUT as GRAPH_INPUT
 from ..graph import Node, resolve
-from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
+from ..layers import (
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    MaxPool2D,
+    gelu_approximate,
+)
 from ..model import nhwc_to_nchw_rows
 from ..workload import Workload
+from . import onnx_transformer
 
 #: Opset 17 is read by onnxruntime, OpenVINO's ONNX frontend and TVM's Relax ONNX frontend alike.
 OPSET = 17
@@ -55,6 +70,7 @@ class _Graph:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self._nchw: dict[str, str] = {}  # NHWC value -> its transposed twin
+        self._scalars: dict[float, str] = {}
 
     def add(self, op: str, inputs: Sequence[str], name: str, **attrs: object) -> str:
         self.nodes.append(helper.make_node(op, list(inputs), [name], name=name, **attrs))
@@ -64,6 +80,19 @@ class _Graph:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array, np.float32), name))
         return name
 
+    def ints(self, name: str, values: Union[int, Sequence[int]]) -> str:
+        """An int64 ``Constant`` (a shape, an index): not an initializer, so not a weight."""
+        tensor = numpy_helper.from_array(np.array(values, np.int64), name)
+        return self.add("Constant", [], name, value=tensor)
+
+    def scalar(self, value: float) -> str:
+        """A float32 scalar ``Constant``, one per value in the graph."""
+        if value not in self._scalars:
+            name = f"scalar{len(self._scalars)}"
+            self._scalars[value] = self.add("Constant", [], name, value=numpy_helper.from_array(
+                np.array(value, np.float32), name))
+        return self._scalars[value]
+
     def nchw(self, v: _Value) -> str:
         """``v`` (rank 4) in NCHW: ONNX's Conv, MaxPool, BatchNormalization and pools are NCHW."""
         if v.nchw:
@@ -72,9 +101,11 @@ class _Graph:
             self._nchw[v.name] = self.add("Transpose", [v.name], f"{v.name}.nchw", perm=[0, 3, 1, 2])
         return self._nchw[v.name]
 
-    def activation(self, fn: str, v: _Value, name: str, rank: int) -> _Value:
+    def activation(self, fn: str, v: _Value, name: str, rank: int, approximate: bool = False) -> _Value:
         if fn == "none":
             return v
+        if fn == "gelu":
+            return _Value(onnx_transformer.gelu(self, v.name, name, approximate), v.nchw, v.flat_from)
         if fn == "softmax":
             # The canonical softmax is over the last NHWC axis: channels, which are axis 1 in NCHW.
             return _Value(self.add("Softmax", [v.name], name, axis=1 if rank == 4 and v.nchw else -1), v.nchw,
@@ -90,6 +121,8 @@ def _rows(v: _Value) -> Optional[np.ndarray]:
 def _node(g: _Graph, node: Node, ins: list[_Value], w: list[np.ndarray]) -> _Value:
     """The ONNX nodes of one graph node (before its activation)."""
     layer, tag = node.layer, f"n{node.index}.{node.kind}"
+    if onnx_transformer.handles(node):
+        return _Value(onnx_transformer.node(g, node, ins[0], w))
     if isinstance(layer, Conv2D):
         (top, bottom), (left, right) = node.pads  # type: ignore[misc]
         args = [g.nchw(ins[0]), g.const(f"{tag}.weight", np.transpose(w[0], (3, 2, 0, 1)))]  # HWIO -> OIHW
@@ -153,7 +186,7 @@ def build_model(workload: Workload, weights: Sequence[np.ndarray],
     for node in graph.nodes:
         out = _node(g, node, [values[j] for j in node.inputs], graph.weights_of(node, weights))
         values[node.index] = g.activation(node.activation, out, f"n{node.index}.{node.activation}",
-                                          len(node.out_shape) + 1)
+                                          len(node.out_shape) + 1, gelu_approximate(node.layer))
     last = values[graph.output.index]
     if last.nchw:
         raise ValueError("the network's output is an image; it must be one score per class")
@@ -177,6 +210,6 @@ def model_bytes(workload: Workload, weights: Sequence[np.ndarray], batch_size: O
 
 
 def param_count(model: onnx.ModelProto) -> int:
-    """Number of weights the graph carries (its float initializers)."""
-    return sum(int(np.prod(t.dims)) for t in model.graph.initializer)
+    """Number of weights the graph carries (its float initializers; constants are ``Constant`` nodes)."""
+    return sum(int(np.prod(t.dims)) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT)
 

@@ -7,10 +7,12 @@ MetaSchedule in ``tune()`` and recompiles with the resulting database (the fixed
 kernel the search left without a record), which is cached per workload definition, target and trial
 budget, so a later run reuses it.
 
-The graph is built directly with ``relax.BlockBuilder`` in NHWC/HWIO, the canonical layout, so the
-shared weights go in unchanged and the input needs no transpose. The executable is compiled for one
-static batch, the workload's inference batch size: MetaSchedule tunes static shapes only, and one
-shape means parity checks the very kernels that inference times.
+A CNN's graph is built directly with ``relax.BlockBuilder`` in NHWC/HWIO, the canonical layout, so the
+shared weights go in unchanged and the input needs no transpose. A transformer (any of
+``spec.TRANSFORMER_LAYERS``) is the spec's ONNX graph (``onnx_graph.py``, the one onnxruntime and
+OpenVINO run) read by TVM's Relax ONNX frontend, its initializers passed as ``main``'s parameters.
+The executable is compiled for one static batch, the workload's inference batch size: MetaSchedule
+tunes static shapes only, and one shape means parity checks the very kernels that inference times.
 """
 from __future__ import annotations
 
@@ -38,9 +40,11 @@ from ..errors import BackendUnavailable
 from ..graph import INPUT as GRAPH_INPUT
 from ..graph import Node, resolve
 from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
+from ..model import vocabulary
 from ..paths import cache_dir
 from ..workload import Workload
 from .base import Backend
+from .spec import TRANSFORMER_LAYERS
 from .tvm_schedule import compile_module
 
 #: Layouts of the Relax graph; the canonical ones, so weights and inputs need no conversion.
@@ -128,6 +132,22 @@ def relax_module(workload: Workload, batch: int) -> tvm.IRModule:
     return bb.get()
 
 
+def onnx_module(workload: Workload, weights: Sequence[np.ndarray], batch: int) -> tuple[tvm.IRModule, list[Any]]:
+    """The spec's ONNX graph for a static batch of ``batch`` through TVM's Relax ONNX frontend:
+    ``main(x, *params)`` and its params (the graph's initializers, converted as that graph has them)."""
+    try:
+        from tvm.relax.frontend.onnx import from_onnx
+
+        from . import onnx_graph
+    except ImportError as exc:
+        raise BackendUnavailable(f"tvm: a transformer is read from its ONNX graph, which needs {exc.name} "
+                                 "(pip install onnx)") from None
+    proto = onnx_graph.build_model(workload, weights, batch_size=batch)
+    mod = from_onnx(proto, shape_dict={onnx_graph.INPUT: [batch, *workload.input_shape]}, keep_params_in_input=True)
+    mod, params = relax.frontend.detach_params(mod)
+    return mod, list(params["main"])
+
+
 def device_params(weights: Sequence[np.ndarray], dev: Any) -> list[Any]:
     """The shared weights as device tensors, in the order of ``main``'s parameters (no conversion:
     the graph's layouts are the canonical ones)."""
@@ -181,8 +201,12 @@ class TVMBackend(Backend):
     # --- lifecycle --------------------------------------------------------------------------
     def build(self, weights: Sequence[np.ndarray]) -> int:
         """Compile with the fixed CPU schedule (both modes: ``tuned`` recompiles in ``tune()``)."""
-        self._mod = relax_module(self.workload, self.batch)
-        self._params = device_params(weights, self.dev)
+        if vocabulary(self.workload) & set(TRANSFORMER_LAYERS):
+            self._mod, params = onnx_module(self.workload, weights, self.batch)
+            self._params = params  # tensors on the host CPU, self.dev
+        else:
+            self._mod = relax_module(self.workload, self.batch)
+            self._params = device_params(weights, self.dev)
         executable = compile_module(self._mod, self.target)
         self._vm = relax.VirtualMachine(executable, self.dev)
         return int(sum(w.size for w in weights))

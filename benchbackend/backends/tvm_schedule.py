@@ -100,9 +100,15 @@ def _split_vector(sch: s_tir.Schedule, spatial: list, lanes: int) -> tuple[list,
 
 
 def _split_tile(sch: s_tir.Schedule, spatial: list) -> tuple[list, Any]:
-    """The spatial loop next to the vector's split by the largest tile in TILES that divides it."""
+    """The spatial loop next to the vector's split by the largest tile in TILES that divides it; when
+    none does (a ViT's 197 tokens), the loops outside the vector's fused into one first (batch x tokens),
+    which one may: without a tile, each output row reloads the whole kernel from memory."""
     extent = _extent(sch, spatial[-2])
     size = next((t for t in TILES if extent is not None and extent % t == 0), None)
+    if size is None and len(spatial) > 2:
+        spatial = [sch.fuse(*spatial[:-1]), spatial[-1]]
+        extent = _extent(sch, spatial[-2])
+        size = next((t for t in TILES if extent is not None and extent % t == 0), None)
     if size is None:
         return spatial, None
     outer, inner = sch.split(spatial[-2], factors=[None, size])
