@@ -74,9 +74,12 @@ BACKENDS: dict[str, BackendSpec] = {
                            Mode("channels_last", "eager, model and inputs in torch.channels_last (oneDNN's CPU "
                                                  "layout)"),
                            Mode("compile", "torch.compile of the model (inductor, static shapes); compiling lands "
-                                           "in the first epoch")),
+                                           "in the first epoch"),
+                           Mode("sdpa", "eager, attention's core in F.scaled_dot_product_attention (fused kernel: "
+                                        "flash/memory-efficient on CUDA) instead of the matmul-softmax chain",
+                                needs=("attention",))),
                     precisions=("fp32", "tf32", "bf16", "fp16"), env=_torch_env, extra="torch",
-                    devices=("cpu", *_GPU), capabilities=_PROBING),
+                    devices=("cpu", *_GPU), builds=CNN_LAYERS + TRANSFORMER_LAYERS, capabilities=_PROBING),
         BackendSpec("tensorflow", _adapter("tensorflow", "TensorFlowBackend"), ("tensorflow", "keras"),
                     "tensorflow-cpu", "pip install 'benchbackend[tensorflow]' (tensorflow on GPU machines)",
                     "TensorFlow 2 / Keras 3 (CPU, GPU)",

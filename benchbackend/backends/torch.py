@@ -1,9 +1,11 @@
 """PyTorch adapter: a plain training loop over tensors already on the device.
 
-Modes: ``eager`` (NCHW, the default), ``channels_last`` (model and inputs in
-``torch.channels_last``, oneDNN's preferred layout on CPU) and ``compile`` (``torch.compile`` of
-the model; the optimizer step stays eager, as its per-step Keras epsilon would recompile a
-compiled step). Modes combine with ``+`` (``compile+channels_last``) for benchmarks. Precisions:
+Modes: ``eager`` (NCHW, the default; attention as the plain matmul chain), ``channels_last`` (model
+and inputs in ``torch.channels_last``, oneDNN's preferred layout on CPU; only convolutions see it),
+``compile`` (``torch.compile`` of the model; the optimizer step stays eager, as its per-step Keras
+epsilon would recompile a compiled step) and ``sdpa`` (attention's core in
+``F.scaled_dot_product_attention``, torch's fused kernel; networks with attention only). Modes
+combine with ``+`` (``compile+channels_last``) for benchmarks. Precisions:
 ``fp32`` (strict: TF32 off, see ``precision.py``); ``tf32`` (CUDA, Ampere or newer); ``bf16``
 (``torch.autocast``, fp32 master weights and optimizer state); ``fp16`` (autocast with a
 ``GradScaler``, CUDA only).
@@ -108,6 +110,7 @@ class TorchBackend(Backend):
         parts = set(mode.split("+"))
         self.channels_last = "channels_last" in parts
         self.compiled = "compile" in parts
+        self.fused_attention = "sdpa" in parts
         self.amp_dtype = _AMP[precision]
         self.net: GraphNet | None = None
 
@@ -182,7 +185,7 @@ class TorchBackend(Backend):
     # --- model ------------------------------------------------------------------------------
     def build(self, weights: Sequence[np.ndarray]) -> int:
         if self.net is None:
-            self.net = GraphNet(resolve(self.workload)).to(self.device)
+            self.net = GraphNet(resolve(self.workload), self.fused_attention).to(self.device)
             if self.channels_last:
                 self.net = self.net.to(memory_format=torch.channels_last)
             self.model: nn.Module = self.net
