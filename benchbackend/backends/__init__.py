@@ -86,7 +86,7 @@ BACKENDS: dict[str, BackendSpec] = {
                     modes=(Mode("tf.function", "Keras 3 model, a traced tf.function train step per batch shape"),
                            Mode("xla", "the same train/predict steps compiled by XLA (jit_compile=True)")),
                     precisions=("fp32", "tf32", "bf16"), env=_tf_env, extra="tensorflow",
-                    devices=("cpu", *_GPU, "/GPU:N"), capabilities=_PROBING),
+                    devices=("cpu", *_GPU, "/GPU:N"), capabilities=_PROBING, builds=CNN_LAYERS + TRANSFORMER_LAYERS),
         BackendSpec("jax", _adapter("jax", "JaxBackend"), ("jax",), "jax", "pip install 'benchbackend[jax]'",
                     "JAX / XLA (CPU; GPU with jax[cuda12]; TPU with jax[tpu])",
                     modes=(Mode("jit", "lax/jnp layers, one jitted train step per batch"),
@@ -99,11 +99,12 @@ BACKENDS: dict[str, BackendSpec] = {
                     modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, jit_compile per Keras default "
                                        "(XLA)"),),
                     precisions=("fp32", "tf32"), env=_keras_jax_env, extra="keras3",
-                    devices=("cpu", *_GPU, "tpu", "tpu:N")),
+                    devices=("cpu", *_GPU, "tpu", "tpu:N"), builds=CNN_LAYERS + TRANSFORMER_LAYERS),
         BackendSpec("keras-torch", _adapter("keras3", "KerasTorchBackend"), ("keras", "torch"), "keras",
                     "pip install 'benchbackend[keras3,torch]' torch==2.13.0", "Keras 3 on PyTorch (CPU, CUDA)",
                     modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, eager torch per Keras default"),),
-                    precisions=("fp32", "tf32"), env=_keras_torch_env, extra="keras3", devices=("cpu", *_GPU)),
+                    precisions=("fp32", "tf32"), env=_keras_torch_env, extra="keras3", devices=("cpu", *_GPU),
+                    builds=CNN_LAYERS + TRANSFORMER_LAYERS),
         BackendSpec("onnxruntime", _adapter("onnxruntime", "OnnxRuntimeBackend"), ("onnxruntime", "onnx"),
                     "onnxruntime", "pip install 'benchbackend[onnxruntime]' (onnxruntime-gpu on CUDA machines)",
                     "ONNX Runtime on the spec's ONNX graph (CPU, CUDA)",
@@ -140,7 +141,10 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec("plaidml", _adapter("plaidml", "PlaidMLBackend"), ("plaidml",), "plaidml",
                     "benchbackend setup plaidml", "PlaidML 0.7 + Keras 2.2.4 (OpenCL, LLVM CPU)",
                     modes=(Mode("keras2", "Keras 2.2.4 train_on_batch/predict, batches fed from host memory"),),
-                    env=_plaidml_env, isolated_env="plaidml", devices=("cpu", "gpu", "opencl", "<PlaidML device id>")),
+                    env=_plaidml_env, isolated_env="plaidml", devices=("cpu", "gpu", "opencl", "<PlaidML device id>"),
+                    builds_note="PlaidML 0.7's Tile language has no erf (a Tile `erf(I)` aborts the process), so "
+                                "the exact GELU has no op to be built from; Keras 2.2.4 has no LayerNormalization "
+                                "or MultiHeadAttention and no decoupled weight decay (vit-tiny's AdamW) either"),
     ]
 }
 

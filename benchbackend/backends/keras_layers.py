@@ -10,7 +10,10 @@ the translation is one Keras layer per spec layer, plus:
 - a max-pool whose padding is not TF's ``same`` pads with ``-inf`` (``neg_pad``; a backend
   without one raises ``BackendUnavailable``);
 - an ``Activation`` after a batchnorm or an add that carries one;
-- ``kernel_regularizer=L2(rate)`` on conv and dense kernels for an ``l2`` weight decay.
+- ``kernel_regularizer=L2(rate)`` on conv, dense and attention kernels for an ``l2`` weight decay;
+- the transformer layers through a ``transformer`` kit (``keras_transformer.py`` for Keras 3),
+  which also resolves GELU in the spec's form; ``global_avgpool`` over tokens is
+  ``GlobalAveragePooling1D``.
 
 The weights are set and read layer by layer (``KerasNet.set``/``get``), never through
 ``model.set_weights``: a functional model orders its layers by depth, so a projection shortcut
@@ -23,7 +26,19 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..errors import BackendUnavailable
 from ..graph import INPUT, Graph, Node, resolve, resolve_pads
-from ..layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
+from ..layers import (
+    TOKEN_LAYERS,
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    MaxPool2D,
+    gelu_approximate,
+)
 from ..workload import Workload
 
 #: ``neg_pad(pads)``: a layer that pads ((top, bottom), (left, right)) with -inf.
@@ -50,17 +65,25 @@ class KerasNet:
         return [layer for node, layer in zip(self.graph.nodes, self.holders) if isinstance(node.layer, BatchNorm)]
 
 
-def _act(name: str) -> Optional[str]:
+def _act(name: str, layer: Any = None, transformer: Any = None) -> Any:
+    """Keras' activation for ``name``: GELU in the spec's form, from the transformer kit."""
+    if name == "gelu":
+        if transformer is None:
+            raise BackendUnavailable("no GELU in this Keras (the gelu activation)")
+        return transformer.gelu(gelu_approximate(layer))
     return None if name == "none" else name
 
 
 def build(workload: Workload, keras: Any, L: Any = None, *, dropout: bool = True,
           batchnorm: Optional[Callable[..., Any]] = None, neg_pad: Optional[NegPad] = None,
-          regularizer: Optional[Callable[[float], Any]] = None, output_dtype: Optional[str] = None) -> KerasNet:
+          regularizer: Optional[Callable[[float], Any]] = None, output_dtype: Optional[str] = None,
+          transformer: Any = None) -> KerasNet:
     """The workload's network. ``L``: the layers namespace (default ``keras.layers``); ``dropout``
     False leaves dropout out (the trajectory check); ``batchnorm``: the batchnorm layer class
     (default ``L.BatchNormalization``); ``regularizer(rate)``: the L2 kernel regularizer;
-    ``output_dtype``: the final softmax as its own ``Activation`` of that dtype (mixed precision)."""
+    ``output_dtype``: the final softmax as its own ``Activation`` of that dtype (mixed precision);
+    ``transformer``: the kit that builds the token layers and GELU (``keras_transformer``), None
+    where this Keras has none."""
     L = L or keras.layers
     g = resolve(workload)
     decay = workload.training.weight_decay
@@ -76,8 +99,13 @@ def build(workload: Workload, keras: Any, L: Any = None, *, dropout: bool = True
         act = node.activation
         if last and output_dtype is not None and act == "softmax":
             act = "none"
-        out, holder = _layer(node, ins, L, act, dropout, workload.seed, batchnorm or L.BatchNormalization,
-                             neg_pad, reg)
+        if isinstance(node.layer, TOKEN_LAYERS):
+            if transformer is None:
+                raise BackendUnavailable(f"{node.label()}: no transformer layers in this Keras")
+            out, holder = transformer.layer(node, ins[0], L, reg)
+        else:
+            out, holder = _layer(node, ins, L, _act(act, node.layer, transformer), dropout, workload.seed,
+                                 batchnorm or L.BatchNormalization, neg_pad, reg)
         if last and output_dtype is not None and node.activation == "softmax":
             out = keras.layers.Activation("softmax", dtype=output_dtype)(out)
         values[node.index] = out
@@ -85,7 +113,7 @@ def build(workload: Workload, keras: Any, L: Any = None, *, dropout: bool = True
     return KerasNet(keras.models.Model(x, values[g.output.index]), holders, g)
 
 
-def _layer(node: Node, ins: list[Any], L: Any, act: str, dropout: bool, seed: int, batchnorm: Any,
+def _layer(node: Node, ins: list[Any], L: Any, act: Any, dropout: bool, seed: int, batchnorm: Any,
            neg_pad: Optional[NegPad], reg: Any) -> tuple[Any, Any]:
     """(output tensor, the layer holding the node's weights or None)."""
     layer, x = node.layer, ins[0]
@@ -94,7 +122,7 @@ def _layer(node: Node, ins: list[Any], L: Any, act: str, dropout: bool, seed: in
         if padding == "valid" and node.pads != ((0, 0), (0, 0)):
             x = L.ZeroPadding2D(node.pads)(x)
         conv = L.Conv2D(layer.filters, layer.kernel_size, strides=layer.stride, padding=padding,
-                        use_bias=layer.use_bias, activation=_act(act), kernel_regularizer=reg)
+                        use_bias=layer.use_bias, activation=act, kernel_regularizer=reg)
         return conv(x), conv
     if isinstance(layer, MaxPool2D):
         stride = layer.stride or layer.pool_size
@@ -110,7 +138,7 @@ def _layer(node: Node, ins: list[Any], L: Any, act: str, dropout: bool, seed: in
             x, padding = neg_pad(node.pads)(x), "valid"
         return L.MaxPooling2D(layer.pool_size, strides=stride, padding=padding)(x), None
     if isinstance(layer, Dense):
-        dense = L.Dense(layer.units, activation=_act(act), kernel_regularizer=reg)
+        dense = L.Dense(layer.units, activation=act, kernel_regularizer=reg)
         return dense(x), dense
     if isinstance(layer, BatchNorm):
         bn = batchnorm(momentum=layer.momentum, epsilon=layer.epsilon)
@@ -118,18 +146,19 @@ def _layer(node: Node, ins: list[Any], L: Any, act: str, dropout: bool, seed: in
     if isinstance(layer, Add):
         return _then(L, L.Add()(ins), act), None
     if isinstance(layer, GlobalAvgPool):
-        return L.GlobalAveragePooling2D()(x), None
+        pool = L.GlobalAveragePooling1D if len(node.in_shape) == 2 else L.GlobalAveragePooling2D
+        return pool()(x), None
     if isinstance(layer, Dropout):
         return (L.Dropout(layer.rate, seed=seed)(x) if dropout else x), None
     if isinstance(layer, Flatten):
         return L.Flatten()(x), None
     if isinstance(layer, ActivationLayer):
-        return L.Activation(_act(act) or "linear")(x), None
+        return L.Activation(act or "linear")(x), None
     raise TypeError(f"{node.label()}: no Keras translation")
 
 
-def _then(L: Any, x: Any, act: str) -> Any:
-    return x if act == "none" else L.Activation(act)(x)
+def _then(L: Any, x: Any, act: Any) -> Any:
+    return x if act is None else L.Activation(act)(x)
 
 
 # --- Keras 3 only (tensorflow, keras-jax, keras-torch) -------------------------------------------
@@ -141,14 +170,20 @@ def keras3_neg_pad(keras: Any) -> NegPad:
     return make
 
 
-def keras3_build(workload: Workload, keras: Any, L: Any = None, **kwargs: Any) -> KerasNet:
-    """:func:`build` with Keras 3's L2 regularizer and -inf padding."""
-    return build(workload, keras, L, regularizer=keras.regularizers.L2, neg_pad=keras3_neg_pad(keras), **kwargs)
+def keras3_build(workload: Workload, keras: Any, L: Any = None, dtype: Optional[str] = None,
+                 **kwargs: Any) -> KerasNet:
+    """:func:`build` with Keras 3's L2 regularizer, -inf padding and transformer layers; ``dtype``:
+    the dtype policy of the transformer's own layers (``L`` makes the others under it)."""
+    from .keras_transformer import keras3_kit
+
+    return build(workload, keras, L, regularizer=keras.regularizers.L2, neg_pad=keras3_neg_pad(keras),
+                 transformer=keras3_kit(keras, dtype), **kwargs)
 
 
 def keras3_optimizer(keras: Any, workload: Workload, net: KerasNet) -> Any:
     """The workload's optimizer as Keras 3's own; a decoupled weight decay is its ``weight_decay``,
-    on the kernels only."""
+    on the kernels only (``model.kernel_mask``: conv, dense and attention kernels; a holder's
+    ``weights`` come in the canonical order)."""
     t = workload.training
     decay = t.weight_decay
     wd = decay.rate if decay is not None and decay.kind == "decoupled" else None
@@ -159,6 +194,7 @@ def keras3_optimizer(keras: Any, workload: Workload, net: KerasNet) -> Any:
     else:
         opt = keras.optimizers.RMSprop(learning_rate=t.lr, weight_decay=wd)
     if wd is not None:
-        kernels = {id(layer.kernel) for layer in net.holders if layer is not None and hasattr(layer, "kernel")}
+        kernels = {id(v) for node, layer in zip(net.graph.nodes, net.holders) if layer is not None
+                   for v, kernel in zip(layer.weights, node.kernel, strict=True) if kernel}
         opt.exclude_from_weight_decay(var_list=[v for v in net.model.trainable_variables if id(v) not in kernels])
     return opt

@@ -102,7 +102,8 @@ class TensorFlowBackend(Backend):
         # and the loss are not rounded to bfloat16's 8 bits.
         if self.policy == "float32":
             return keras3_build(self.workload, keras, dropout=dropout)
-        return keras3_build(self.workload, keras, _PolicyLayers(self.policy), dropout=dropout, output_dtype="float32")
+        return keras3_build(self.workload, keras, _PolicyLayers(self.policy), dtype=self.policy, dropout=dropout,
+                            output_dtype="float32")
 
     def build(self, weights: Sequence[np.ndarray]) -> int:
         with tf.device(self.device):
