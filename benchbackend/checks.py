@@ -127,6 +127,11 @@ def trajectory(msg: dict[str, Any], workload: Any, precision: str = "fp32") -> d
                parity_max_rel=max(rels) if rels else None, steps=len(losses))
     within = (f"{tols[0]:g}" if len(set(tols)) <= 1 else f"{tols[0]:.3g} (step 1) to {tols[-1]:.3g} "
               f"(step {len(tols)})") + f" ({precision})"
+    if first is None and len(losses) != len(ref):  # a step skipped (a dropped last batch, say) is a mismatch
+        first = min(len(losses), len(ref)) + 1
+        out.update(parity_step=first, notes=f"training gave {len(losses)} step losses for the reference's "
+                                            f"{len(ref)} steps")
+        return out
     out["notes"] = (f"{len(losses)} steps agree within {within}" if first is None else
                     f"training loss diverges from the reference at step {first}: "
                     f"{losses[first - 1]:.6g} vs {ref[first - 1]:.6g} (rtol {tols[first - 1]:.3g}, {precision})")

@@ -61,6 +61,11 @@ def main() -> None:
                    "Default: each backend's first mode. `benchbackend list` shows them.")
 @click.option("--precision", "precisions", multiple=True, metavar="[BACKEND:]PRECISION",
               help="fp32 (default), bf16, fp16, fp64 (repeatable); a backend without it gets an `unavailable` row.")
+@click.option("--replicas", "replica_counts", multiple=True, type=click.IntRange(1), metavar="N",
+              help="Data-parallel replicas (repeatable, default 1): the global batch split over N (README \"Data "
+                   "parallel\"); a backend without it gets an `unavailable` row. On a CPU the cores are split.")
+@click.option("--scale-lr", type=click.Choice(["none", "linear"]), default="none", show_default=True,
+              help="linear: the learning rate times N for N replicas (recorded in `scale_lr`); none: the workload's.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, gpu, or a backend's own device id (e.g. a PlaidML device).")
 @click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(1),
@@ -119,7 +124,8 @@ def main() -> None:
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write plots next to the CSV.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display (the summary and verdict still print).")
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
-        device: str, repeats: int, epochs: Optional[int], limit: Optional[int], seed: Optional[int], data_source: str,
+        replica_counts: tuple[int, ...], scale_lr: str, device: str, repeats: int, epochs: Optional[int],
+        limit: Optional[int], seed: Optional[int], data_source: str,
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int],
         inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
         executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
@@ -133,11 +139,12 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run cifar10 mnist -b torch -b tensorflow --repeats 3 --epochs 2 --limit 2000 --data synthetic
       benchbackend run cifar10 -b torch --mode torch:eager --precision fp32 --precision bf16
       benchbackend run cifar10 -b torch -b tensorflow --batch-size 32 --batch-size 128
+      benchbackend run cifar10 -b torch --replicas 1 --replicas 2 --parity-steps 10 --data synthetic
       benchbackend run mnist -b torch -b numpy --executor ray --address head:6379 --retries 1
       benchbackend run path/to/my_workload.yaml -b tensorflow
       benchbackend run mnist -b torch -b tensorflow --repeats 5 --resume results/interrupted.csv
     """
-    from . import executors, outputs, progress, results, runner
+    from . import epilogue, executors, outputs, progress, replicas, results, runner
     from . import plan as planning
     from . import resume as resuming
 
@@ -145,7 +152,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         loaded = planning.load_workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed)
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
-        choices = planning.resolve(names, list(modes), list(precisions), device)
+        choices = planning.with_replicas(planning.resolve(names, list(modes), list(precisions), device), replica_counts)
+        replicas.check_batches(loaded, replica_counts)
         if executor_name == "local":
             registry.require_any(names)  # a cluster's nodes may have what this machine lacks
     except (WorkloadError, BackendUnavailable) as exc:
@@ -172,7 +180,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     except OSError as exc:
         raise UsageFailure(f"{out}: cannot write results: {exc.strerror}") from None
     options = planning.Options(threads=threads, steps_per_execution=steps_per_execution, tune_trials=tune_trials,
-                             peak_tflops=peak_tflops)
+                             peak_tflops=peak_tflops, scale_lr=scale_lr)
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
                             inference_only=inference_only, options=options, order=order)
@@ -187,59 +195,16 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
             cells = r.run()
     except KeyboardInterrupt as exc:
         _err(f"interrupted: {writer.rows} rows written to {out}; the same command with --resume {out} runs the rest")
-        _summary(r.results, out if writer.rows else None, plots)
+        epilogue.summary(r.results, out if writer.rows else None, plots)
         sys.exit(143 if isinstance(exc, runner.Terminated) else 130)
     except DataError as exc:
         _err(f"Error: {exc}")
         if writer.rows:
             _err(f"{writer.rows} rows written to {out}")
         sys.exit(2)
-    _summary(cells, out if writer.rows else None, plots)
+    epilogue.summary(cells, out if writer.rows else None, plots)
     statuses = [c.status for c in cells] + r.resumed  # a resumed run answers for the cells that had finished too
     sys.exit(0 if statuses and all(s == "ok" for s in statuses) else 1)
-
-
-def _summary(cells: list, out: Optional[Path], plots: bool) -> None:
-    """The per-cell summary, then compare's verdict and the plots for what was measured."""
-    from .progress import summary_line
-
-    click.echo("\nsummary (steady epoch = median of epochs after the first; "
-               "inference = median of passes after the first):")
-    for cell in cells:
-        click.echo("  " + summary_line(cell))
-    if out is not None:
-        _report(out, plots=plots, verdict=len({c.cell.choice for c in cells if c.status != "unavailable"}) > 1)
-        click.echo(f"results: {out}")
-
-
-def _report(csv_path: Path, plots: bool, verdict: bool) -> None:
-    """After a run: the compare tables (when backends can be compared), the plots, then on stderr
-    the warnings the report holds (``compare.report_warnings``), and last the verdict."""
-    from . import compare, experiments, results
-
-    try:
-        df = experiments.for_comparison(results.read(csv_path))
-        outcome = compare.compare_frame(df)
-    except Exception as exc:  # a convenience after the fact: never lose the run over it
-        _err(f"warning: comparison/plots not written: {exc}")
-        return
-    made: list[Path] = []
-    if plots:
-        try:
-            from . import report
-
-            made = report.write_report(df, csv_path.with_name(csv_path.stem + "-plots"),
-                                       summary_text=outcome.text, warnings=outcome.warnings)
-        except Exception as exc:
-            _err(f"warning: plots not written: {exc}")
-    if verdict:
-        click.echo("\n" + outcome.body.rstrip("\n"))
-    for warning in outcome.warnings:
-        _err(f"warning: {warning}")
-    if verdict:
-        click.echo(outcome.verdict)
-    if made:
-        click.echo(f"report: {made[-1]}")
 
 
 @main.command(name="list")

@@ -88,7 +88,9 @@ def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
     ``device`` is what the user asked for (``--device cpu``) where recorded, since backends name
     one device differently (torch ``cpu``, TensorFlow ``cpu:0``, PlaidML ``llvm_cpu.0``); ``mode``
     is the backend's default mode where a file left it empty, so that ``--baseline torch:eager``
-    names it and every output carries a mode. The rows of an attempt lost with its node and run
+    names it and every output carries a mode; a cell of N > 1 data-parallel replicas has mode
+    ``eager xN``, a group of its own beside the single replica's (its speed-up against it is N times
+    the scaling efficiency). The rows of an attempt lost with its node and run
     again (``retried``) are left out: the attempt that followed measured the cell."""
     from . import backends as registry
     from .results import RETRIED
@@ -102,6 +104,9 @@ def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
         out["mode"] = mode.where(mode != "", out["backend"].map(defaults).fillna(""))
     asked = out["requested_device"].astype(str)
     out["device"] = asked.where(asked != "", out["device"])
+    if "replicas" in out.columns:  # N replicas are their own group: ``eager x2`` beside ``eager``
+        many = pd.to_numeric(out["replicas"], errors="coerce").fillna(1).astype(int)
+        out["mode"] = out["mode"].where(many <= 1, out["mode"] + " x" + many.astype(str))
     return out
 
 

@@ -60,12 +60,14 @@ class Job:
 
     @classmethod
     def for_spec(cls, spec: BackendSpec, workload: "Workload", **fields: Any) -> "Job":
-        """The job of one repeat of ``spec`` on ``workload``; ``mode`` defaults to the spec's first."""
+        """The job of one repeat of ``spec`` on ``workload``; ``mode`` defaults to the spec's first.
+        More than one replica (``options.replicas``) runs the spec's data-parallel adapter."""
         fields.setdefault("mode", spec.default_mode)
         fields.setdefault("precision", "fp32")
         fields["trains"] = spec.trains and fields.get("trains", True)
-        return cls(workload=workload, backend=spec.name, target=spec.target, capabilities=spec.capabilities,
-                   **fields)
+        many = fields.get("options", Options()).replicas > 1 and spec.capabilities.replicas
+        return cls(workload=workload, backend=spec.name, target=spec.capabilities.replicas if many else spec.target,
+                   capabilities=spec.capabilities, **fields)
 
     def to_json(self) -> str:
         body = {**{f: getattr(self, f) for f in self.__dataclass_fields__}, "workload": self.workload.to_dict(),

@@ -1,9 +1,10 @@
-"""The matrix: workload x backend x mode x precision x repeat, expanded into cells in run order.
+"""The matrix: workload x backend x mode x precision x replicas x repeat, expanded into cells in run order.
 
 ``load_workloads`` reads the workloads named, with the command line's overrides; ``resolve``
 turns the command line's ``-b``, ``--mode`` and ``--precision`` into one list of (backend, mode,
-precision) choices, validated against the registry; ``cells`` expands a plan into its cells, in
-the order they run. Nothing here starts a process or imports a framework.
+precision) choices, validated against the registry, and ``with_replicas`` repeats each choice
+per ``--replicas N``; ``cells`` expands a plan into its cells, in the order they run. Nothing here
+starts a process or imports a framework.
 
 Order: by default repeats are interleaved within each workload (a comparison group): repeat r of
 every backend, mode and precision runs before repeat r+1 of any (A B A B), so drift of the machine
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from . import backends
 from .errors import BackendUnavailable, WorkloadError
@@ -36,16 +37,20 @@ class Options:
     steps_per_execution: int = 32
     tune_trials: int = 64
     peak_tflops: Optional[float] = None
+    #: The cell's data-parallel replicas (set per cell by the runner) and ``--scale-lr`` (``replicas``).
+    replicas: int = 1
+    scale_lr: str = "none"
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One (backend, mode, precision) of the matrix; ``problem`` says why it cannot run here."""
+    """One (backend, mode, precision, replicas) of the matrix; ``problem`` says why it cannot run here."""
 
     backend: str
     mode: str
     precision: str
     problem: str = ""
+    replicas: int = 1
 
 
 @dataclass
@@ -64,16 +69,18 @@ class RunPlan:
 
 @dataclass(frozen=True)
 class GroupId:
-    """All repeats of one (workload definition, backend, mode, precision): they run on one machine."""
+    """All repeats of one (workload definition, backend, mode, precision, replicas): they run on one machine."""
 
     workload: str
     workload_hash: str
     backend: str
     mode: str
     precision: str
+    replicas: int = 1
 
     def __str__(self) -> str:
-        return f"{self.workload}/{self.backend}:{self.mode}/{self.precision}"
+        return f"{self.workload}/{self.backend}:{self.mode}/{self.precision}" + (
+            f"/x{self.replicas}" if self.replicas > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class Cell:
     @property
     def group(self) -> GroupId:
         c = self.choice
-        return GroupId(self.workload.name, self.workload.hash(), c.backend, c.mode, c.precision)
+        return GroupId(self.workload.name, self.workload.hash(), c.backend, c.mode, c.precision, c.replicas)
 
     @property
     def comparison(self) -> str:
@@ -198,6 +205,22 @@ def resolve(names: list[str], modes: list[str], precisions: list[str], device: s
                 if not s.accepts(device):
                     problem = f"{s.name} does not take --device {device}; it takes {', '.join(s.devices)}"
                 out.append(Choice(s.name, mode, precision, problem))
+    return out
+
+
+def with_replicas(choices: list[Choice], replicas: Sequence[int]) -> list[Choice]:
+    """Each choice once per ``--replicas N`` (once, with 1, when none is given). N > 1 on a backend
+    whose registry entry names no data-parallel adapter (``Capabilities.replicas``) is an
+    ``unavailable`` choice that says so, decided here, before any worker starts."""
+    out = []
+    for c in choices:
+        spec = backends.BACKENDS.get(c.backend)
+        for n in list(dict.fromkeys(replicas)) or [1]:
+            problem = c.problem
+            if n > 1 and not problem and spec is not None and not spec.capabilities.replicas:
+                problem = (f"{c.backend}: --replicas {n} (data parallel) is not implemented for this backend yet; "
+                           "torch has it (DistributedDataParallel)")
+            out.append(replace(c, replicas=n, problem=problem))
     return out
 
 

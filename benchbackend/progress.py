@@ -19,10 +19,11 @@ if TYPE_CHECKING:
 
 
 def tag(cell: "Cell") -> str:
-    """``[mnist/torch:eager/fp32 r1/3]``: how every line names its cell."""
+    """``[mnist/torch:eager/fp32 r1/3]`` (``... x2 r1/3`` for 2 replicas): how every line names its cell."""
     c = cell.choice
     sweep = f" b{cell.workload.training.batch_size}" if cell.sweep else ""
-    return f"[{cell.workload.name}{sweep}/{c.backend}:{c.mode}/{c.precision} r{cell.repeat}/{cell.repeats}]"
+    many = f" x{c.replicas}" if c.replicas > 1 else ""
+    return f"[{cell.workload.name}{sweep}/{c.backend}:{c.mode}/{c.precision}{many} r{cell.repeat}/{cell.repeats}]"
 
 
 def clock(seconds: float) -> str:

@@ -5,6 +5,7 @@ refuses newer versions with a clear message and reads older ones.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
@@ -16,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from .errors import ResultsError
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 #: Fixed columns, in this order; see README "CSV columns".
 BASE_COLUMNS = [
@@ -55,7 +56,9 @@ EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "f
                  # the clock, or each batch copied inside it; Backend.place_data) and the device's peak
                  # memory from the framework's own counter (``peak_device_mb``, MiB; empty on a CPU or
                  # without a counter) on every row with ``peak_rss_mb``. Older files: both empty.
-                 "data_on_device", "peak_device_mb"]
+                 "data_on_device", "peak_device_mb",
+                 # schema 7: the cell's data-parallel replicas and --scale-lr (``replicas``). Older files: 1, none.
+                 "replicas", "scale_lr"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
@@ -70,7 +73,7 @@ NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "ac
            "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
            "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s",
            "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed", "pass", "attempt",
-           "peak_device_mb"]
+           "peak_device_mb", "replicas"]
 #: The definition's fields as columns (schema 3), and the key of each in the ``definition`` text
 #: that older files carry (read once, when such a file is read: see ``_migrate``).
 DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch",
@@ -107,13 +110,10 @@ def worst_status(statuses: Iterable[str]) -> str:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
@@ -127,10 +127,8 @@ def _cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
+        if not math.isfinite(value):
+            return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
         return repr(float(value))  # float(): NumPy 2 scalars repr as 'np.float64(...)'
     return str(value)
 
@@ -309,8 +307,9 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Rows of older schemas, as schema 6 says them (see ``EXTRA_COLUMNS``):
+    """Rows of older schemas, as schema 7 says them (see ``EXTRA_COLUMNS``):
 
+    - before 7, every cell ran one replica, its learning rate unscaled: ``replicas`` 1, ``scale_lr`` none;
     - before 6, ``data_on_device`` and ``peak_device_mb`` were not recorded: empty (unknown);
     - before 5, a cell had one attempt: ``attempt`` is 1;
     - before 4, ``epoch`` also held an inference row's pass, 0 on build, tune, parity and run
@@ -322,7 +321,8 @@ def _migrate(df: "Any") -> None:
     - before 3, the definition is named only in its text (``train=1024 ... batch=32``): the
       definition columns are filled from it, the one place that text is ever read back.
     """
-    df.loc[df["attempt"] == "", "attempt"] = "1"  # before schema 5, every cell had one attempt
+    for col, value in (("attempt", "1"), ("replicas", "1"), ("scale_lr", "none")):  # before schemas 5 and 7
+        df.loc[df[col] == "", col] = value
     version = df["schema_version"].astype(int)
     old = version < 4
     if old.any():

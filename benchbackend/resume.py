@@ -39,6 +39,8 @@ class CellKey:
     device: str
     inference_only: bool
     repeat: int
+    #: Data-parallel replicas (schema 7; rows of older files: 1).
+    replicas: int = 1
 
     @classmethod
     def of(cls, row: Mapping[str, object]) -> "CellKey":
@@ -47,7 +49,8 @@ class CellKey:
         return cls(str(row.get("workload_hash") or ""), str(row.get("data_source") or ""), str(row["backend"]),
                    str(row.get("mode") or ""), str(row.get("precision") or ""),
                    str(row.get("requested_device") or row.get("device") or ""),
-                   only is True or str(only).lower() in ("true", "1"), int(float(str(row["repeat"] or 0))))
+                   only is True or str(only).lower() in ("true", "1"), int(float(str(row["repeat"] or 0))),
+                   int(float(str(row.get("replicas") or 1))))
 
 
 @dataclass

@@ -13,15 +13,15 @@ import signal
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Sequence
 
-from . import arrays, backends, checks, model, peaks, progress, results, resume
+from . import arrays, backends, checks, model, peaks, progress, replicas, results, resume
 from .backends.spec import BackendSpec
 from .launch import Job
 from .messages import Ended, Heartbeat, Info, Message, Outcome, Peak, Row, Started
-from .plan import Cell, GroupId, RunPlan, cells
+from .plan import Cell, GroupId, Options, RunPlan, cells
 from .workload import Workload
 
 
@@ -187,16 +187,21 @@ class Runner:
             job = Job.for_spec(spec, cell.workload, mode=cell.choice.mode, precision=cell.choice.precision,
                                device=self.plan.device, repeat=cell.repeat, data=str(files[cell.workload.hash()]),
                                trains=not self.plan.inference_only, parity_steps=self.plan.parity_steps,
-                               options=self.plan.options)
+                               options=self._options(cell.choice.replicas))
             digest = cell.workload.hash()
             tasks.append(Task(cell, job, spec, self.checksums[digest], self.sources[digest]))
             self.waiting[cell.group] = self.waiting.get(cell.group, 0) + 1
         return tasks, refused
 
+    def _options(self, n: int) -> Options:
+        """The run's options for a cell of ``n`` replicas: the cores split between them (``replicas``)."""
+        o = self.plan.options
+        return o if n <= 1 else replace(o, replicas=n, threads=replicas.threads_per_replica(o.threads, n))
+
     def _key(self, cell: Cell) -> resume.CellKey:
         c, w = cell.choice, cell.workload
         return resume.CellKey(w.hash(), self.sources[w.hash()], c.backend, c.mode, c.precision, self.plan.device,
-                              self._inference_only(c.backend), cell.repeat)
+                              self._inference_only(c.backend), cell.repeat, c.replicas)
 
     def _inference_only(self, backend: str) -> bool:
         return self.plan.inference_only or not backends.get(backend).trains
@@ -250,7 +255,8 @@ class Runner:
                 "requested_device": self.plan.device, "data_source": source,
                 "data_sha256": self.checksums.get(w.hash(), ""), "inference_only": self._inference_only(c.backend),
                 "definition": definition(w, source), "limit": w.data.train, "epochs": w.training.epochs,
-                "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed}
+                "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed,
+                "replicas": c.replicas, "scale_lr": self.plan.options.scale_lr}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device), base)
         if attempt == 1:
             self.display.cell_started(cell)

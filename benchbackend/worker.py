@@ -117,7 +117,9 @@ class Cell:
         return self.region(lambda: self.backend.scores(x, self.workload.inference.batch_size))
 
 
-def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, Any], trains: bool = True) -> None:
+def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, Any], trains: bool = True,
+            replicas: int = 1) -> None:
+    from . import replicas as data_parallel
     from . import truth
     from .backends import reference
     from .checks import parity_errors
@@ -144,7 +146,11 @@ def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, A
     order = arrays["orders"][0]
     batch_list = [(arrays["x_train"][order[i * bs:(i + 1) * bs]], arrays["y_train"][order[i * bs:(i + 1) * bs]])
                   for i in range(steps) if i * bs < len(order)]
-    ref_losses = truth.trajectory(workload, weights, batch_list)
+    if replicas > 1 and any(layer.type == "batchnorm" for layer in workload.model):
+        # Batch statistics per replica (``replicas``): the reference computes them per shard too.
+        ref_losses = data_parallel.sharded_losses(workload, weights, batch_list, replicas)
+    else:
+        ref_losses = truth.trajectory(workload, weights, batch_list)
     losses = [float(v) for v in cell.backend.train_steps(batch_list)]
     # Raw values only: checks.trajectory decides, with the workload's tolerance.
     cell.emit({**base, "phase": "parity", "steps": len(losses), "losses": losses,
@@ -154,16 +160,26 @@ def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, A
 def run_job(job: Job, emit: Emit) -> None:
     """Run one cell and stream its messages through ``emit`` (also usable in-process by tests)."""
     from .errors import BackendUnavailable
-    from .model import initial_weights, param_count
-    from .results import canonical_device, environment
+    from .replicas import scaled
 
-    workload = job.workload
+    workload = scaled(job.workload, job.options.replicas, job.options.scale_lr)  # --scale-lr: the lr trained
     try:
         cls = load_class(job.target)
         backend = cls(workload, job.device, job.mode, job.precision, asdict(job.options))
     except (BackendUnavailable, ImportError) as exc:
         emit({"type": "unavailable", "message": str(exc).splitlines()[0] if str(exc) else repr(exc)})
         return
+    try:
+        _run(job, backend, workload, emit)
+    finally:
+        backend.close()  # the replica processes of a data-parallel cell, say
+
+
+def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
+    from .errors import BackendUnavailable
+    from .model import initial_weights, param_count
+    from .results import canonical_device, environment
+
     arrays = _load_arrays(job.data)
     weights = initial_weights(workload, job.repeat)
     cell = Cell(backend, workload, arrays, emit)
@@ -203,7 +219,7 @@ def run_job(job: Job, emit: Emit) -> None:
         emit({**base, "phase": "tune", "seconds": seconds, "notes": summary})
 
     parity_steps = job.parity_steps if job.trains else 0
-    _parity(cell, weights, parity_steps, base, job.trains)
+    _parity(cell, weights, parity_steps, base, job.trains, job.options.replicas)
     if parity_steps:
         backend.build(weights)  # the trajectory check trained a few steps: start over from the shared weights
         backend.set_data(arrays["x_train"], arrays["y_train"])

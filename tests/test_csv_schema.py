@@ -28,7 +28,7 @@ def _run(monkeypatch, tmp_path: Path, *args: str) -> Path:
 def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp_path):
     path = _run(monkeypatch, tmp_path, "--epochs", "2", "--parity-steps", "2", "--batch-size", "50")
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)  # as a user reads it, no benchbackend
-    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 6
+    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 7
     # Schema 5: one attempt per cell here, and the arrays every row was measured on.
     assert set(raw["attempt"]) == {"1"} and set(raw["data_origin"]) == {"local"}
     # Schema 6: the data placement rule on every row (a CPU holds every array); the device's peak
@@ -78,7 +78,8 @@ def test_the_writer_names_a_device_canonically(tmp_path):
 
 def _old_file(path: Path, version: int, rows: list[dict]) -> Path:
     """A file as an older benchbackend wrote it: its columns only, its schema_version."""
-    later = ("pass", "attempt", "data_sha256", "data_origin", "math_mode", "data_on_device", "peak_device_mb")
+    later = ("pass", "attempt", "data_sha256", "data_origin", "math_mode", "data_on_device", "peak_device_mb",
+             "replicas", "scale_lr")
     columns = [c for c in results.COLUMNS if c not in later]
     if version < 3:
         columns = [c for c in columns if c not in ("cell_order", "notes", *results.DEFINITION_COLUMNS)]
@@ -110,6 +111,7 @@ def test_an_older_file_is_read_as_the_current_schema_says_it(tmp_path, version):
     phase = df["phase"]
     assert set(df["attempt"]) == {1}  # before schema 5, a cell had one attempt
     assert set(df["data_on_device"]) == {""} and df["peak_device_mb"].isna().all()  # not recorded before 6
+    assert set(df["replicas"]) == {1} and set(df["scale_lr"]) == {"none"}  # before 7: one replica, lr as given
     assert df.loc[phase == "train_epoch", "epoch"].tolist() == [1, 2]
     assert df.loc[phase != "train_epoch", "epoch"].isna().all()
     assert df.loc[phase == "inference", "pass"].tolist() == [1, 2]

@@ -194,6 +194,10 @@ class Backend(ABC):
         """Current weights converted back to the canonical layout (tests use it)."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what the cell started beyond this process (a data-parallel adapter's replica
+        processes); the worker calls it when the cell ends, however it ends."""
+
     # --- capabilities (declared in the registry entry's ``Capabilities``) -------------------------
     def gemm_peak(self, precision: str) -> float:
         """``peak_probe``: best FLOP/s of a square matmul in ``precision`` on this device, synced."""

@@ -36,6 +36,9 @@ class Capabilities:
     peak_probe: bool = False
     #: The adapter sets its intra-op threads from ``--threads`` and reports them (``Backend.threads``).
     thread_control: bool = False
+    #: ``module:Class`` of the adapter that trains ``--replicas N`` > 1 on the framework's own
+    #: data-parallel engine (``benchbackend.replicas``); "" where there is none yet (``unavailable``).
+    replicas: str = ""
 
 
 def gpu_index(device: str, backend: str) -> Optional[int]:

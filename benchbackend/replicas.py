@@ -1,0 +1,110 @@
+"""Data parallel (``--replicas N``): the one semantics every backend's engine is held to.
+
+- ``batch_size`` is the *global* batch. Each global batch is the single-replica run's batch (the
+  same samples of the same epoch order); replica r takes the contiguous slice r of it
+  (:func:`shards`), so the N slices of a global batch are disjoint and cover it.
+- A global batch not divisible by N is a usage error (exit 2) before anything runs
+  (:func:`check_batches`): a full batch is always split evenly, ``batch_size / N`` per replica.
+- The last global batch of an epoch may be short (``L`` samples, fewer than ``batch_size``); it is
+  neither dropped nor padded. It is split as evenly as possible (the first ``L % N`` replicas take
+  one sample more), and each replica's mean loss is weighted by ``N * n_r / L`` (:func:`weights`)
+  before the engine averages the gradients over the N replicas: the average is then exactly the
+  gradient of the mean loss over the L samples, the single-replica step. (A full batch weighs 1.)
+  A replica left without a sample (L < N) joins the average with a zero-weighted stand-in.
+- Gradients are averaged (DDP's allreduce mean), never summed.
+- The learning rate is the workload's, unchanged. ``--scale-lr linear`` multiplies it by N (the
+  usual large-batch rule), as the user's explicit choice, recorded in the ``scale_lr`` column; the
+  trajectory check then holds the run to the reference at that learning rate.
+- BatchNorm uses per-replica batch statistics in training steps, as DDP without SyncBN does; the
+  moving statistics are replica 0's (DDP broadcasts its buffers at each forward), which the
+  validation and inference passes use. The reference a batchnorm network's replica run is checked
+  against computes the batch statistics per shard too (:func:`sharded_losses`).
+- On a CPU the cell's cores (``--threads``, default all) are split between the replicas
+  (:func:`threads_per_replica`); the ``threads`` column records threads per replica.
+- Timing: replica 0 runs in the cell's worker and reports the rows; an epoch's time is the wall
+  time until every replica has finished its last step (the epoch's totals are all-reduced).
+
+Nothing here imports a framework: the plan, the CLI, the reference and the adapters share it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .errors import WorkloadError
+
+SCALE_LR = ("none", "linear")
+
+
+def shards(size: int, replicas: int) -> list[tuple[int, int]]:
+    """(start, stop) of each replica's contiguous slice of a global batch of ``size`` samples: as
+    even as possible, the first ``size % replicas`` replicas one sample more."""
+    base, extra = divmod(size, replicas)
+    bounds = [0]
+    for r in range(replicas):
+        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def weights(size: int, replicas: int) -> list[float]:
+    """Each replica's weight on its mean loss, ``N * n_r / size``, so that the engine's average of
+    the N gradients is the gradient of the mean over the whole global batch."""
+    return [replicas * (stop - start) / size for start, stop in shards(size, replicas)]
+
+
+def check_batches(workloads: Sequence[Any], replicas: Sequence[int]) -> None:
+    """Raise ``WorkloadError`` when a workload's global batch does not split evenly over a ``--replicas``."""
+    for w in workloads:
+        bs = w.training.batch_size
+        for n in replicas:
+            if bs % n:
+                raise WorkloadError(f"{w.name}: batch size {bs} does not split evenly over --replicas {n}; "
+                                    f"use a --batch-size divisible by {n}")
+
+
+def threads_per_replica(threads: Optional[int], replicas: int) -> Optional[int]:
+    """Intra-op threads of each replica: the cell's (``--threads``, default every core) split evenly,
+    at least 1; None (the backend's default) for one replica without ``--threads``."""
+    if replicas <= 1:
+        return threads
+    return max(1, (threads or os.cpu_count() or 1) // replicas)
+
+
+def scaled(workload: Any, replicas: int, scale_lr: str) -> Any:
+    """The workload as the replicas train it: its learning rate times N under ``--scale-lr linear``."""
+    if scale_lr != "linear" or replicas <= 1:
+        return workload
+    t = workload.training
+    return workload.model_copy(update={"training": t.model_copy(update={"lr": t.lr * replicas})})
+
+
+def sharded_losses(workload: Any, weights_: Sequence[np.ndarray], batches: Sequence[tuple[np.ndarray, np.ndarray]],
+                   replicas: int) -> list[float]:
+    """The float64 reference trajectory of N replicas of a batchnorm network: each global batch's
+    shards go through the reference separately (batch statistics per shard), their losses and
+    gradients weighted by ``n_r / L`` and summed (the engine's average of the weighted gradients),
+    then one optimizer step. Without batchnorm this equals the single-replica trajectory."""
+    from .backends import _numpy_ops as ops
+    from .backends import reference
+
+    net = reference.network(workload, [np.array(w, np.float64) for w in weights_])
+    optimizer = ops.make_optimizer(workload.training)
+    decay = workload.training.weight_decay
+    out = []
+    for x, y in batches:
+        loss, grads = 0.0, None
+        for start, stop in shards(len(x), replicas):
+            if stop == start:
+                continue
+            share = (stop - start) / len(x)
+            y1 = ops.one_hot(np.asarray(y[start:stop], np.int64), workload.num_classes, np.float64)
+            part, g, _ = net.loss_and_grads(np.asarray(x[start:stop], np.float64), y1)
+            loss += share * float(part)
+            grads = [share * gi for gi in g] if grads is None else [a + share * gi for a, gi in zip(grads, g)]
+        if decay is not None and decay.kind == "decoupled":
+            ops.decay_decoupled(net.kernel_arrays(), workload.training.lr, decay.rate)
+        optimizer.step(net.params(), grads)
+        out.append(loss)
+    return out
