@@ -23,7 +23,8 @@ FAILED_FACE = "#d0d0d0"
 #: One hue per registered backend, in registry order (tab10 without red and grey, then darker tab20b).
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
            "#393b79", "#8c6d31", "#637939", "#7b4173"]
-#: How far a non-default mode is mixed towards white, per rank of the mode in the registry.
+#: How far a non-default mode is mixed towards white, per rank of the mode in the registry (less for a
+#: backend of more than three modes, so that every mode keeps a shade of its own within 0.6).
 _MODE_LIGHTEN = 0.3
 #: How far a precision other than fp32 is mixed towards black, per rank of the precision.
 _PRECISION_DARKEN = 0.22
@@ -63,7 +64,8 @@ def color_of(backend: str, mode: str = "", precision: str = "") -> str:
     color = PALETTE[hue % len(PALETTE)]
     modes = tuple(spec.mode_names) if spec is not None else ()
     precisions = tuple(p for p in (spec.precisions if spec is not None else ()) if p != "fp32")
-    lighten = min(0.6, _MODE_LIGHTEN * _rank(mode, modes, modes[0] if modes else ""))
+    step = min(_MODE_LIGHTEN, 0.6 / max(1, len(modes) - 1))  # four modes (torch's) still part within 0.6
+    lighten = min(0.6, step * _rank(mode, modes, modes[0] if modes else ""))
     darken = min(0.55, _PRECISION_DARKEN * _rank(precision, precisions, "fp32"))
     return _mix(_mix(color, 1.0, lighten), 0.0, darken)
 
