@@ -189,6 +189,17 @@ def gelu_approximate(layer: Any) -> bool:
     return isinstance(layer, ActivationLayer) and layer.function == "gelu" and layer.approximate
 
 
+#: The activation name of GELU's tanh form for adapters that dispatch on a name (the reference, JAX):
+#: the YAML says ``{function: gelu, approximate: true}``; ``gelu`` alone is the exact form.
+GELU_TANH = "gelu_tanh"
+
+
+def activation_name(layer: Any, fn: str) -> str:
+    """The name of ``layer``'s activation ``fn`` where the tanh GELU needs its own: ``GELU_TANH``
+    for GELU's tanh form, ``fn`` otherwise."""
+    return GELU_TANH if gelu_approximate(layer) else fn
+
+
 def activation_of(layer: Any) -> str:
     """The activation a layer applies to its output ("none" for layers without one)."""
     if isinstance(layer, ActivationLayer):

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..layers import (
+    GELU_TANH,
     ActivationLayer,
     Attention,
     ClassToken,
@@ -24,14 +25,10 @@ from ..layers import (
     PositionEmbedding,
     SelectToken,
     Tokens,
-    gelu_approximate,
 )
 from . import _numpy_ops as ops
 from ._numpy_ops import Array, get_array_module
 
-#: The activation name of GELU's tanh form inside the reference (the YAML says
-#: ``{function: gelu, approximate: true}``).
-GELU_TANH = "gelu_tanh"
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -61,11 +58,6 @@ def gelu_backward(g: Array, z: Array, approximate: bool = False) -> Array:
     cdf = 0.5 * (1 + _erf(z / math.sqrt(2.0)))
     pdf = xp.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
     return g * (cdf + z * pdf)
-
-
-def activation(layer: Any, fn: str) -> str:
-    """The name ``activate`` knows for ``layer``'s activation ``fn``: ``gelu_tanh`` for GELU's tanh form."""
-    return GELU_TANH if gelu_approximate(layer) else fn
 
 
 def activate(z: Array, fn: str) -> Array:

@@ -19,6 +19,7 @@ from jax import lax
 
 from ..graph import INPUT, Graph, Node, resolve
 from ..layers import (
+    GELU_TANH,
     TOKEN_LAYERS,
     ActivationLayer,
     Add,
@@ -29,6 +30,7 @@ from ..layers import (
     Flatten,
     GlobalAvgPool,
     MaxPool2D,
+    activation_name,
 )
 from ..workload import Workload
 from . import jax_transformer
@@ -48,8 +50,8 @@ def activate(x: jax.Array, fn: str) -> jax.Array:
         return jax.nn.sigmoid(x)
     if fn == "softmax":
         return jax.nn.softmax(x, axis=-1)
-    if fn in ("gelu", jax_transformer.GELU_TANH):
-        return jax_transformer.gelu(x, approximate=fn == jax_transformer.GELU_TANH)
+    if fn in ("gelu", GELU_TANH):
+        return jax_transformer.gelu(x, approximate=fn == GELU_TANH)
     return x
 
 
@@ -104,7 +106,7 @@ def make_forward(workload: Workload) -> tuple[Forward, Graph]:
     g = resolve(workload)
     last = g.output.index
     fns = ["none" if n.index == last and n.activation == "softmax"
-           else jax_transformer.activation(n.layer, n.activation) for n in g.nodes]
+           else activation_name(n.layer, n.activation) for n in g.nodes]
 
     def logits(params: Params, x: jax.Array, key: Optional[jax.Array], train: bool) -> tuple[jax.Array, list]:
         values: dict[int, Any] = {INPUT: x}

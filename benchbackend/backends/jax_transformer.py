@@ -33,17 +33,7 @@ from ..layers import (
     PositionEmbedding,
     SelectToken,
     Tokens,
-    gelu_approximate,
 )
-
-#: The activation name ``jax_graph.activate`` knows for GELU's tanh form (the YAML says
-#: ``{function: gelu, approximate: true}``; an inline ``activation: gelu`` is the exact form).
-GELU_TANH = "gelu_tanh"
-
-
-def activation(layer: Any, fn: str) -> str:
-    """The name ``gelu`` answers to for ``layer``'s activation ``fn``: ``gelu_tanh`` for the tanh form."""
-    return GELU_TANH if gelu_approximate(layer) else fn
 
 
 def gelu(x: jax.Array, approximate: bool) -> jax.Array:

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import BackendUnavailable
 from ..graph import INPUT, Graph, Node, resolve
+from ..layers import activation_name
 from ..model import kernel_mask, trainable_mask
 from ..workload import (
     ActivationLayer,
@@ -117,7 +118,7 @@ class Network:
         for node in g.nodes:
             ins = [x if j == INPUT else values[j] for j in node.inputs]
             out, cache = self._layer(node, ins, g.weights_of(node, self.weights), rng, training, update)
-            fn = tr.activation(node.layer, node.activation)
+            fn = activation_name(node.layer, node.activation)
             if node is g.output and fn == "softmax":
                 fn = "none"  # the loss (or ``forward``) applies it
             pre, post = out, tr.activate(out, fn)
