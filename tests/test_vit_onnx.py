@@ -71,7 +71,7 @@ def test_the_trap_graph_matches_the_reference_under_onnx_own_evaluator() -> None
 @pytest.mark.parametrize("planted", ["tanh gelu", "epsilon 1e-5", "unscaled attention"])
 def test_a_graph_with_a_framework_default_misses_the_reference(monkeypatch: pytest.MonkeyPatch,
                                                                planted: str) -> None:
-    from benchbackend.backends import onnx_graph
+    from benchbackend.backends import onnx_nodes
 
     w = trap()
     if planted == "tanh gelu":
@@ -79,8 +79,8 @@ def test_a_graph_with_a_framework_default_misses_the_reference(monkeypatch: pyte
     elif planted == "epsilon 1e-5":
         w = trap(epsilon=1e-5)
     else:  # the scores' 1/sqrt(head_dim) constant made 1
-        scalar = onnx_graph._Graph.scalar
-        monkeypatch.setattr(onnx_graph._Graph, "scalar",
+        scalar = onnx_nodes.Builder.scalar
+        monkeypatch.setattr(onnx_nodes.Builder, "scalar",
                             lambda g, v: scalar(g, 1.0 if math.isclose(v, 1 / math.sqrt(5)) else v))
     assert _error(w) > 10 * PARITY_RTOL  # measured: 4.4e-5, 0.42 and 0.2
 

@@ -13,16 +13,16 @@ BatchNormalization on the moving statistics (runtimes fold it into the conv); a 
 batchnorm) behind a flatten of NCHW activations gets its rows permuted to NCHW order.
 
 A transformer's token sequences are ``[batch, T, d]`` (``onnx_transformer.py``: its layers, dense and
-average pool on tokens, GELU); the conv's NCHW output becomes tokens in row-major (h, w) order.
+average pool on tokens; GELU with the other activations in ``onnx_nodes.py``, which both build on);
+the conv's NCHW output becomes tokens in row-major (h, w) order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from ..errors import BackendUnavailable
 from ..graph import INPUT as GRAPH_INPUT
@@ -42,6 +42,7 @@ from ..layers import (
 from ..model import nhwc_to_nchw_rows
 from ..workload import Workload
 from . import onnx_transformer
+from .onnx_nodes import Builder, Value
 
 #: Opset 17 is read by onnxruntime, OpenVINO's ONNX frontend and TVM's Relax ONNX frontend alike.
 OPSET = 17
@@ -50,95 +51,33 @@ IR_VERSION = 8
 INPUT = "x"
 OUTPUT = "probs"
 
-_ACT = {"relu": "Relu", "tanh": "Tanh", "sigmoid": "Sigmoid", "softmax": "Softmax"}
 
-
-@dataclass(frozen=True)
-class _Value:
-    """A tensor of the graph: its name, whether a rank-4 one is NCHW, and for a flat one made by
-    flattening NCHW activations, the image (H, W, C) it came from (its features are in NCHW order)."""
-
-    name: str
-    nchw: bool = False
-    flat_from: Optional[tuple[int, int, int]] = None
-
-
-class _Graph:
-    """Nodes and initializers, appended in order."""
-
-    def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self._nchw: dict[str, str] = {}  # NHWC value -> its transposed twin
-        self._scalars: dict[float, str] = {}
-
-    def add(self, op: str, inputs: Sequence[str], name: str, **attrs: object) -> str:
-        self.nodes.append(helper.make_node(op, list(inputs), [name], name=name, **attrs))
-        return name
-
-    def const(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array, np.float32), name))
-        return name
-
-    def ints(self, name: str, values: Union[int, Sequence[int]]) -> str:
-        """An int64 ``Constant`` (a shape, an index): not an initializer, so not a weight."""
-        tensor = numpy_helper.from_array(np.array(values, np.int64), name)
-        return self.add("Constant", [], name, value=tensor)
-
-    def scalar(self, value: float) -> str:
-        """A float32 scalar ``Constant``, one per value in the graph."""
-        if value not in self._scalars:
-            name = f"scalar{len(self._scalars)}"
-            self._scalars[value] = self.add("Constant", [], name, value=numpy_helper.from_array(
-                np.array(value, np.float32), name))
-        return self._scalars[value]
-
-    def nchw(self, v: _Value) -> str:
-        """``v`` (rank 4) in NCHW: ONNX's Conv, MaxPool, BatchNormalization and pools are NCHW."""
-        if v.nchw:
-            return v.name
-        if v.name not in self._nchw:
-            self._nchw[v.name] = self.add("Transpose", [v.name], f"{v.name}.nchw", perm=[0, 3, 1, 2])
-        return self._nchw[v.name]
-
-    def activation(self, fn: str, v: _Value, name: str, rank: int, approximate: bool = False) -> _Value:
-        if fn == "none":
-            return v
-        if fn == "gelu":
-            return _Value(onnx_transformer.gelu(self, v.name, name, approximate), v.nchw, v.flat_from)
-        if fn == "softmax":
-            # The canonical softmax is over the last NHWC axis: channels, which are axis 1 in NCHW.
-            return _Value(self.add("Softmax", [v.name], name, axis=1 if rank == 4 and v.nchw else -1), v.nchw,
-                          v.flat_from)
-        return _Value(self.add(_ACT[fn], [v.name], name), v.nchw, v.flat_from)
-
-
-def _rows(v: _Value) -> Optional[np.ndarray]:
+def _rows(v: Value) -> Optional[np.ndarray]:
     """The canonical rows of a flat value in NCHW feature order (None: canonical order already)."""
     return None if v.flat_from is None else nhwc_to_nchw_rows(*v.flat_from)
 
 
-def _node(g: _Graph, node: Node, ins: list[_Value], w: list[np.ndarray]) -> _Value:
+def _node(g: Builder, node: Node, ins: list[Value], w: list[np.ndarray]) -> Value:
     """The ONNX nodes of one graph node (before its activation)."""
     layer, tag = node.layer, f"n{node.index}.{node.kind}"
     if onnx_transformer.handles(node):
-        return _Value(onnx_transformer.node(g, node, ins[0], w))
+        return Value(onnx_transformer.node(g, node, ins[0], w))
     if isinstance(layer, Conv2D):
         (top, bottom), (left, right) = node.pads  # type: ignore[misc]
         args = [g.nchw(ins[0]), g.const(f"{tag}.weight", np.transpose(w[0], (3, 2, 0, 1)))]  # HWIO -> OIHW
         if layer.use_bias:
             args.append(g.const(f"{tag}.bias", w[1]))
-        return _Value(g.add("Conv", args, tag, kernel_shape=[layer.kernel_size] * 2, strides=[layer.stride] * 2,
+        return Value(g.add("Conv", args, tag, kernel_shape=[layer.kernel_size] * 2, strides=[layer.stride] * 2,
                             pads=[top, left, bottom, right]), nchw=True)
     if isinstance(layer, MaxPool2D):
         (top, bottom), (left, right) = node.pads  # type: ignore[misc]
         # ONNX's MaxPool pads never win a max.
-        return _Value(g.add("MaxPool", [g.nchw(ins[0])], tag, kernel_shape=[layer.pool_size] * 2,
+        return Value(g.add("MaxPool", [g.nchw(ins[0])], tag, kernel_shape=[layer.pool_size] * 2,
                             strides=[layer.stride or layer.pool_size] * 2, pads=[top, left, bottom, right]), nchw=True)
     if isinstance(layer, Dense):
         rows = _rows(ins[0])
         kernel = w[0] if rows is None else w[0][rows]
-        return _Value(g.add("Gemm", [ins[0].name, g.const(f"{tag}.weight", kernel), g.const(f"{tag}.bias", w[1])],
+        return Value(g.add("Gemm", [ins[0].name, g.const(f"{tag}.weight", kernel), g.const(f"{tag}.bias", w[1])],
                             tag))
     if isinstance(layer, BatchNorm):
         # Inference mode: the moving statistics (runtimes fold it into the conv before it).
@@ -147,7 +86,7 @@ def _node(g: _Graph, node: Node, ins: list[_Value], w: list[np.ndarray]) -> _Val
         vec = [a if rows is None else a[rows] for a in w]
         names = [g.const(f"{tag}.{k}", a) for k, a in zip(("scale", "bias", "mean", "var"), vec)]
         x = g.nchw(ins[0]) if rank4 else ins[0].name
-        return _Value(g.add("BatchNormalization", [x, *names], tag, epsilon=layer.epsilon), nchw=rank4,
+        return Value(g.add("BatchNormalization", [x, *names], tag, epsilon=layer.epsilon), nchw=rank4,
                       flat_from=ins[0].flat_from)
     if isinstance(layer, Add):
         if len(node.in_shape) == 3:
@@ -157,15 +96,15 @@ def _node(g: _Graph, node: Node, ins: list[_Value], w: list[np.ndarray]) -> _Val
         else:
             raise BackendUnavailable(f"{node.label()}: adds a flattened image to other features; the ONNX graph "
                                      "flattens NCHW and cannot")
-        return _Value(g.add("Sum", names, tag), nchw=len(node.in_shape) == 3, flat_from=ins[0].flat_from)
+        return Value(g.add("Sum", names, tag), nchw=len(node.in_shape) == 3, flat_from=ins[0].flat_from)
     if isinstance(layer, GlobalAvgPool):
         pooled = g.add("GlobalAveragePool", [g.nchw(ins[0])], f"{tag}.pool")
-        return _Value(g.add("Flatten", [pooled], tag, axis=1))
+        return Value(g.add("Flatten", [pooled], tag, axis=1))
     if isinstance(layer, Flatten):
         if len(node.in_shape) != 3:
             return ins[0]
         # The canonical dense rows follow NHWC flatten order; flattening NCHW needs them permuted.
-        return _Value(g.add("Flatten", [ins[0].name], tag, axis=1),
+        return Value(g.add("Flatten", [ins[0].name], tag, axis=1),
                       flat_from=node.in_shape if ins[0].nchw else None)  # type: ignore[arg-type]
     if isinstance(layer, (Dropout, ActivationLayer)):
         return ins[0]  # dropout is the identity at inference
@@ -181,8 +120,8 @@ def build_model(workload: Workload, weights: Sequence[np.ndarray],
     graph = resolve(workload)
     if len(weights) != graph.n_weights:
         raise ValueError(f"the model has {graph.n_weights} weight arrays; got {len(weights)}")
-    g = _Graph()
-    values: dict[int, _Value] = {GRAPH_INPUT: _Value(INPUT)}
+    g = Builder()
+    values: dict[int, Value] = {GRAPH_INPUT: Value(INPUT)}
     for node in graph.nodes:
         out = _node(g, node, [values[j] for j in node.inputs], graph.weights_of(node, weights))
         values[node.index] = g.activation(node.activation, out, f"n{node.index}.{node.activation}",

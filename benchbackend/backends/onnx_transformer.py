@@ -15,7 +15,8 @@ Token sequences are ``[batch, T, d]`` (the canonical layout, ``model.py``), batc
   MatMul + Add of the output projection;
 - ``dense`` on tokens: MatMul on the last axis + Add; ``select_token``: Gather on axis 1;
   ``global_avgpool`` over tokens: ReduceMean over axis 1;
-- GELU: ``0.5 x (1 + Erf(x / sqrt 2))`` (opset 17 has no Gelu), or the tanh form when ``approximate``.
+- GELU (``onnx_nodes.Builder.gelu``, with the other activations): ``0.5 x (1 + Erf(x / sqrt 2))``
+  (opset 17 has no Gelu), or the tanh form when ``approximate``.
 
 Scalars and shapes are ``Constant`` nodes, not initializers: the initializers are the weights only
 (``onnx_graph.param_count``).
@@ -23,17 +24,13 @@ Scalars and shapes are ``Constant`` nodes, not initializers: the initializers ar
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..graph import Node
 from ..layers import Attention, ClassToken, Dense, GlobalAvgPool, LayerNorm, PositionEmbedding, SelectToken, Tokens
-
-if TYPE_CHECKING:
-    from .onnx_graph import _Graph, _Value
-
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+from .onnx_nodes import Builder, Value
 
 
 def handles(node: Node) -> bool:
@@ -43,7 +40,7 @@ def handles(node: Node) -> bool:
     return isinstance(node.layer, (Dense, GlobalAvgPool)) and len(node.in_shape) == 2
 
 
-def node(g: "_Graph", nd: Node, x: "_Value", w: Sequence[np.ndarray]) -> str:
+def node(g: Builder, nd: Node, x: Value, w: Sequence[np.ndarray]) -> str:
     """The ONNX nodes of one token-layer graph node reading ``x``; the name of its output (no activation)."""
     layer, tag = nd.layer, f"n{nd.index}.{nd.kind}"
     if isinstance(layer, Tokens):
@@ -74,13 +71,13 @@ def node(g: "_Graph", nd: Node, x: "_Value", w: Sequence[np.ndarray]) -> str:
     raise TypeError(f"{nd.label()}: no ONNX translation")
 
 
-def dense(g: "_Graph", tag: str, x: str, kernel: np.ndarray, bias: np.ndarray) -> str:
+def dense(g: Builder, tag: str, x: str, kernel: np.ndarray, bias: np.ndarray) -> str:
     """``x @ kernel + bias`` on the last axis of ``x`` (any rank)."""
     product = g.add("MatMul", [x, g.const(f"{tag}.weight", kernel)], f"{tag}.matmul")
     return g.add("Add", [product, g.const(f"{tag}.bias", bias)], tag)
 
 
-def attention(g: "_Graph", tag: str, x: str, w: Sequence[np.ndarray], heads: int, head_dim: int) -> str:
+def attention(g: Builder, tag: str, x: str, w: Sequence[np.ndarray], heads: int, head_dim: int) -> str:
     """Multi-head self-attention of ``x`` ``[batch, T, d]`` on the canonical eight arrays (``model.py``)."""
     wq, bq, wk, bk, wv, bv, wo, bo = w
     split = g.ints(f"{tag}.split", [0, 0, heads, head_dim])  # [batch, T, heads, head_dim], heads major
@@ -99,15 +96,3 @@ def attention(g: "_Graph", tag: str, x: str, w: Sequence[np.ndarray], heads: int
     mixed = g.add("Transpose", [g.add("MatMul", [p, v], f"{tag}.pv")], f"{tag}.pv.t", perm=[0, 2, 1, 3])
     merged = g.add("Reshape", [mixed, g.ints(f"{tag}.merge", [0, 0, heads * head_dim])], f"{tag}.merged")
     return dense(g, f"{tag}.o", merged, wo, bo)
-
-
-def gelu(g: "_Graph", x: str, name: str, approximate: bool) -> str:
-    """Exact: ``0.5 x (1 + erf(x / sqrt 2))``; approximate: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
-    if approximate:
-        cube = g.add("Mul", [x, g.add("Mul", [x, x], f"{name}.x2")], f"{name}.x3")
-        inner = g.add("Add", [x, g.add("Mul", [cube, g.scalar(0.044715)], f"{name}.c")], f"{name}.inner")
-        curve = g.add("Tanh", [g.add("Mul", [inner, g.scalar(_SQRT_2_OVER_PI)], f"{name}.arg")], f"{name}.tanh")
-    else:
-        curve = g.add("Erf", [g.add("Div", [x, g.scalar(math.sqrt(2.0))], f"{name}.arg")], f"{name}.erf")
-    one_plus = g.add("Add", [curve, g.scalar(1.0)], f"{name}.1p")
-    return g.add("Mul", [g.add("Mul", [x, g.scalar(0.5)], f"{name}.half"), one_plus], name)
