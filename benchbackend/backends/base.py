@@ -209,22 +209,25 @@ class Backend(ABC):
 
 
 class CupyMemory:
-    """Device memory by CuPy's own counters, for the NumPy reference on a GPU and Chainer on CuPy
-    (``cupy`` None: a CPU cell, which has none). CuPy's pool reports what it holds now
-    (``total_bytes``), not a peak, so the peak is the largest value read so far, at row time: a
-    peak between two rows can be missed."""
+    """``Backend``'s device-memory methods by CuPy's own counters, mixed in (before ``Backend``) by
+    the NumPy reference and Chainer, which set ``cupy`` to the CuPy module on a GPU (None: a CPU
+    cell, which has none). CuPy's pool reports what it holds now (``total_bytes``), not a peak, so
+    the peak is the largest value read so far, at row time: a peak between two rows can be missed."""
 
-    def __init__(self, cupy: Any = None):
-        self.cupy, self.peak = cupy, 0
+    cupy: Any = None
+    _cupy_peak = 0
 
-    def free_bytes(self) -> Optional[int]:
+    def free_device_bytes(self) -> Optional[int]:
         return None if self.cupy is None else int(self.cupy.cuda.runtime.memGetInfo()[0])
 
-    def peak_mb(self) -> Optional[float]:
+    def peak_device_mb(self) -> Optional[float]:
         if self.cupy is None:
             return None
-        self.peak = max(self.peak, int(self.cupy.get_default_memory_pool().total_bytes()))
-        return self.peak / 2**20
+        self._cupy_peak = max(self._cupy_peak, int(self.cupy.get_default_memory_pool().total_bytes()))
+        return self._cupy_peak / 2**20
+
+    def reset_device_peak(self) -> None:
+        self._cupy_peak = 0
 
 
 def batches(order: np.ndarray, batch_size: int):

@@ -44,7 +44,7 @@ class _Net(GraphChain):
         return self.static_body(x, *masks) if self.static else self.body(x, *masks)
 
 
-class ChainerBackend(Backend):
+class ChainerBackend(CupyMemory, Backend):
     name = "chainer"
 
     def __init__(self, workload: Workload, device: str, mode: str, precision: str = "fp32",
@@ -73,7 +73,7 @@ class ChainerBackend(Backend):
         if not self.gpu:
             self.device = chainer.get_device("@intel64" if mode == "ideep" else "@numpy")
         self.net: Optional[_Net] = None
-        self.memory = CupyMemory(cuda.cupy if self.gpu else None)
+        self.cupy = cuda.cupy if self.gpu else None  # CupyMemory's counters
 
     @classmethod
     def probe(cls) -> dict:
@@ -172,15 +172,6 @@ class ChainerBackend(Backend):
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         self.x_train = self.to_device(x_train)
         self.y_train = self._held(np.asarray(y_train, np.int32))
-
-    def free_device_bytes(self) -> Optional[int]:
-        return self.memory.free_bytes()
-
-    def peak_device_mb(self) -> Optional[float]:
-        return self.memory.peak_mb()
-
-    def reset_device_peak(self) -> None:
-        self.memory.peak = 0
 
     # --- run --------------------------------------------------------------------------------
     def _masks(self, n: int, unit: bool) -> list[Any]:

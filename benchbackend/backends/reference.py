@@ -287,7 +287,7 @@ def _to_host(x: Array) -> np.ndarray:
     return x.get() if hasattr(x, "get") else np.asarray(x)  # cupy.ndarray.get() copies to the host
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(CupyMemory, Backend):
     """Float32 training on the reference implementation (NumPy on CPU, CuPy on GPU)."""
 
     name = "numpy"
@@ -303,7 +303,7 @@ class NumpyBackend(Backend):
         self.optimizer: Optional[ops.Optimizer] = None
         self.rng: Any = None
         self.train_data: tuple[Array, Array] = (None, None)
-        self.memory = CupyMemory(None if self.xp is np else self.xp)
+        self.cupy = None if self.xp is np else self.xp  # CupyMemory's counters
 
     @classmethod
     def probe(cls) -> dict:
@@ -350,15 +350,6 @@ class NumpyBackend(Backend):
     def sync(self) -> None:
         if self.xp is not np:  # NumPy has finished when it returns
             self.xp.cuda.Stream.null.synchronize()  # CuPy kernels are asynchronous
-
-    def free_device_bytes(self) -> Optional[int]:
-        return self.memory.free_bytes()
-
-    def peak_device_mb(self) -> Optional[float]:
-        return self.memory.peak_mb()
-
-    def reset_device_peak(self) -> None:
-        self.memory.peak = 0
 
     def _net(self) -> Network:
         if self.net is None:
