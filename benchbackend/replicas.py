@@ -85,13 +85,12 @@ def sharded_losses(workload: Any, weights_: Sequence[np.ndarray], batches: Seque
     """The float64 reference trajectory of N replicas of a batchnorm network: each global batch's
     shards go through the reference separately (batch statistics per shard), their losses and
     gradients weighted by ``n_r / L`` and summed (the engine's average of the weighted gradients),
-    then one optimizer step. Without batchnorm this equals the single-replica trajectory."""
+    then one update (``reference.update``). Without batchnorm this equals the single-replica trajectory."""
     from .backends import _numpy_ops as ops
     from .backends import reference
 
     net = reference.network(workload, [np.array(w, np.float64) for w in weights_])
     optimizer = ops.make_optimizer(workload.training)
-    decay = workload.training.weight_decay
     out = []
     for x, y in batches:
         loss, grads = 0.0, None
@@ -103,8 +102,6 @@ def sharded_losses(workload: Any, weights_: Sequence[np.ndarray], batches: Seque
             part, g, _ = net.loss_and_grads(np.asarray(x[start:stop], np.float64), y1)
             loss += share * float(part)
             grads = [share * gi for gi in g] if grads is None else [a + share * gi for a, gi in zip(grads, g)]
-        if decay is not None and decay.kind == "decoupled":
-            ops.decay_decoupled(net.kernel_arrays(), workload.training.lr, decay.rate)
-        optimizer.step(net.params(), grads)
+        reference.update(net, optimizer, grads, workload.training)
         out.append(loss)
     return out

@@ -212,14 +212,18 @@ def network(workload: Workload, weights: Sequence[Array]) -> Network:
 
 def train_step(net: Network, optimizer: ops.Optimizer, x: Array, y: Array, training: TrainingSpec,
                rng: Any = None) -> tuple[Array, Array]:
-    """One training step (the loss, the logits): forward and backward, decoupled weight decay if
-    the workload asks for it, then the optimizer's update of ``net.params()``."""
+    """One training step (the loss, the logits): forward and backward, then :func:`update`."""
     loss, grads, scores = net.loss_and_grads(x, y, rng)
+    update(net, optimizer, grads, training)
+    return loss, scores
+
+
+def update(net: Network, optimizer: ops.Optimizer, grads: Sequence[Array], training: TrainingSpec) -> None:
+    """Decoupled weight decay if the workload asks for it, then the optimizer's update of ``net.params()``."""
     decay = training.weight_decay
     if decay is not None and decay.kind == "decoupled":
         ops.decay_decoupled(net.kernel_arrays(), training.lr, decay.rate)
     optimizer.step(net.params(), grads)
-    return loss, scores
 
 
 # --- ground truth for the worker's checks ------------------------------------------------------
