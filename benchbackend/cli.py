@@ -66,6 +66,9 @@ def main() -> None:
                    "parallel\"); a backend without it gets an `unavailable` row. On a CPU the cores are split.")
 @click.option("--scale-lr", type=click.Choice(["none", "linear"]), default="none", show_default=True,
               help="linear: the learning rate times N for N replicas (recorded in `scale_lr`); none: the workload's.")
+@click.option("--scaling", type=click.Choice(["strong", "weak"]), default="strong", show_default=True,
+              help="strong: the workload's batch is the global batch, split over N replicas; weak: it is each "
+                   "replica's batch (the global batch grows N times). Recorded in `scaling`.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, gpu, or a backend's own device id (e.g. a PlaidML device).")
 @click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(1),
@@ -124,7 +127,7 @@ def main() -> None:
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write plots next to the CSV.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display (the summary and verdict still print).")
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
-        replica_counts: tuple[int, ...], scale_lr: str, device: str, repeats: int, epochs: Optional[int],
+        replica_counts: tuple[int, ...], scale_lr: str, scaling: str, device: str, repeats: int, epochs: Optional[int],
         limit: Optional[int], seed: Optional[int], data_source: str,
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int],
         inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
@@ -153,7 +156,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
         choices = planning.with_replicas(planning.resolve(names, list(modes), list(precisions), device), replica_counts)
-        replicas.check_batches(loaded, replica_counts)
+        replicas.check_batches(loaded, replica_counts, scaling)
         if executor_name == "local":
             registry.require_any(names)  # a cluster's nodes may have what this machine lacks
     except (WorkloadError, BackendUnavailable) as exc:
@@ -180,7 +183,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     except OSError as exc:
         raise UsageFailure(f"{out}: cannot write results: {exc.strerror}") from None
     options = planning.Options(threads=threads, steps_per_execution=steps_per_execution, tune_trials=tune_trials,
-                             peak_tflops=peak_tflops, scale_lr=scale_lr)
+                             peak_tflops=peak_tflops, scale_lr=scale_lr, scaling=scaling)
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
                             inference_only=inference_only, options=options, order=order)

@@ -33,7 +33,7 @@ from typing import Optional
 
 import pandas as pd
 
-from . import caveats, experiments, results, stats, summary, tables
+from . import caveats, experiments, results, scaling, stats, summary, tables
 from .caveats import group_name
 from .errors import ResultsError
 from .experiments import CONTEXT_KEYS, GroupKey
@@ -296,6 +296,7 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
             raise ResultsError(f"unknown candidate backend {name!r}; backends in these results: "
                                + ", ".join(sorted({k.label() for k in keys})))
     groups, warnings = rank(reduced, baseline, metric)
+    groups = scaling.annotate(groups, reduced, df)
     warnings = report_warnings(groups, df, warnings, notes, metric)
     found, code = (regressions(groups, candidate, fail_on_regression, metric) if fail_on_regression is not None
                    else ([], 0))

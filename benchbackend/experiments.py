@@ -12,6 +12,7 @@ A *group* (:class:`GroupKey`) is one (experiment, device, backend, mode, precisi
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -24,6 +25,8 @@ CONTEXT_KEYS = ["experiment", "device"]
 #: A repeat is one fresh worker process.
 REPEAT_KEYS = ["run_id", "repeat"]
 #: How each definition column is named in an experiment's label.
+#: A group's mode for N replicas (:func:`group_mode`), read back by :func:`split_mode`.
+_REPLICA_MODE = re.compile(r"^(?P<mode>.*) x(?P<n>\d+)(?P<weak> weak)?$")
 LABEL_NAMES = {"limit": "limit", "epochs": "epochs", "batch_size": "batch", "inference_batch_size": "infer_batch",
                 "seed": "seed", "data_source": "data"}
 
@@ -89,9 +92,10 @@ def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
     one device differently (torch ``cpu``, TensorFlow ``cpu:0``, PlaidML ``llvm_cpu.0``); ``mode``
     is the backend's default mode where a file left it empty, so that ``--baseline torch:eager``
     names it and every output carries a mode; a cell of N > 1 data-parallel replicas has mode
-    ``eager xN``, a group of its own beside the single replica's (its speed-up against it is N times
-    the scaling efficiency). The rows of an attempt lost with its node and run
-    again (``retried``) are left out: the attempt that followed measured the cell."""
+    ``eager xN`` (``eager xN weak`` under weak scaling), a group of its own beside the single
+    replica's (its speed-up against it is N times the scaling efficiency: ``scaling.py``). The rows
+    of an attempt lost with its node and run again (``retried``) are left out: the attempt that
+    followed measured the cell."""
     from . import backends as registry
     from .results import RETRIED
 
@@ -106,7 +110,8 @@ def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
     out["device"] = asked.where(asked != "", out["device"])
     if "replicas" in out.columns:  # N replicas are their own group: ``eager x2`` beside ``eager``
         many = pd.to_numeric(out["replicas"], errors="coerce").fillna(1).astype(int)
-        out["mode"] = out["mode"].where(many <= 1, out["mode"] + " x" + many.astype(str))
+        scaling = out["scaling"] if "scaling" in out.columns else pd.Series("strong", index=out.index)
+        out["mode"] = group_mode(out["mode"], many, scaling)
     return out
 
 
@@ -193,3 +198,18 @@ def experiments(df: pd.DataFrame) -> pd.Series:
                 names[key] = name
     index = pd.MultiIndex.from_frame(frame)
     return pd.Series(names.reindex(index).to_numpy(), index=df.index, name="experiment")
+
+
+def group_mode(mode: pd.Series, replicas: pd.Series, scaling: pd.Series) -> pd.Series:
+    """The mode a group of ``replicas`` is compared under: ``eager``, ``eager x2``, ``eager x2 weak``."""
+    many = replicas > 1
+    suffix = " x" + replicas.astype(str) + scaling.astype(str).eq("weak").map({True: " weak", False: ""})
+    return mode.where(~many, mode + suffix)
+
+
+def split_mode(mode: str) -> tuple[str, int, str]:
+    """(the single replica's mode, replicas, scaling) of a group's mode (:func:`group_mode`)."""
+    m = _REPLICA_MODE.match(mode)
+    if not m:
+        return mode, 1, "strong"
+    return m["mode"], int(m["n"]), "weak" if m["weak"] else "strong"

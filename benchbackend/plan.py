@@ -40,6 +40,14 @@ class Options:
     #: The cell's data-parallel replicas (set per cell by the runner) and ``--scale-lr`` (``replicas``).
     replicas: int = 1
     scale_lr: str = "none"
+    #: ``--scaling``: strong (the global batch fixed, split over the replicas) or weak (the
+    #: per-replica batch fixed: the global batch is N times the workload's) (``replicas``).
+    scaling: str = "strong"
+    #: This replica's rank and the address of a process group made outside the worker (Ray Train's
+    #: workers, one per replica, each running the whole cell: ``executors/ray_train.py``); "" when
+    #: the cell's worker starts the other replicas itself.
+    rank: int = 0
+    rendezvous: str = ""
 
 
 @dataclass(frozen=True)

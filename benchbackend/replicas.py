@@ -19,6 +19,9 @@
   moving statistics are replica 0's (DDP broadcasts its buffers at each forward), which the
   validation and inference passes use. The reference a batchnorm network's replica run is checked
   against computes the batch statistics per shard too (:func:`sharded_losses`).
+- ``--scaling weak`` fixes the per-replica batch instead: N replicas train a global batch of N times
+  ``batch_size`` (:func:`scaled`), with the same rules. Strong and weak cells are never one group in
+  ``compare`` (``scaling`` column), and their single-replica cell is the same.
 - On a CPU the cell's cores (``--threads``, default all) are split between the replicas
   (:func:`threads_per_replica`); the ``threads`` column records threads per replica.
 - Timing: replica 0 runs in the cell's worker and reports the rows; an epoch's time is the wall
@@ -36,6 +39,9 @@ import numpy as np
 from .errors import WorkloadError
 
 SCALE_LR = ("none", "linear")
+#: ``--scaling``: strong keeps the global batch (split over the replicas); weak keeps each replica's
+#: batch at the workload's, so N replicas train a global batch N times as large.
+SCALING = ("strong", "weak")
 
 
 def shards(size: int, replicas: int) -> list[tuple[int, int]]:
@@ -54,9 +60,10 @@ def weights(size: int, replicas: int) -> list[float]:
     return [replicas * (stop - start) / size for start, stop in shards(size, replicas)]
 
 
-def check_batches(workloads: Sequence[Any], replicas: Sequence[int]) -> None:
-    """Raise ``WorkloadError`` when a workload's global batch does not split evenly over a ``--replicas``."""
-    for w in workloads:
+def check_batches(workloads: Sequence[Any], replicas: Sequence[int], scaling: str = "strong") -> None:
+    """Raise ``WorkloadError`` when a workload's global batch does not split evenly over a ``--replicas``
+    (under weak scaling it is N times the per-replica batch, which always does)."""
+    for w in workloads if scaling == "strong" else []:
         bs = w.training.batch_size
         for n in replicas:
             if bs % n:
@@ -72,12 +79,17 @@ def threads_per_replica(threads: Optional[int], replicas: int) -> Optional[int]:
     return max(1, (threads or os.cpu_count() or 1) // replicas)
 
 
-def scaled(workload: Any, replicas: int, scale_lr: str) -> Any:
-    """The workload as the replicas train it: its learning rate times N under ``--scale-lr linear``."""
-    if scale_lr != "linear" or replicas <= 1:
+def scaled(workload: Any, replicas: int, scale_lr: str, scaling: str = "strong") -> Any:
+    """The workload as the replicas train it: its learning rate times N under ``--scale-lr linear``,
+    its (global) batch times N under ``--scaling weak``. The rows keep the workload's own definition
+    (hash, ``batch_size``), so that a cell of N replicas is compared with the single replica's."""
+    if replicas <= 1 or (scale_lr != "linear" and scaling != "weak"):
         return workload
     t = workload.training
-    return workload.model_copy(update={"training": t.model_copy(update={"lr": t.lr * replicas})})
+    update = {"lr": t.lr * replicas} if scale_lr == "linear" else {}
+    if scaling == "weak":
+        update["batch_size"] = t.batch_size * replicas
+    return workload.model_copy(update={"training": t.model_copy(update=update)})
 
 
 def sharded_losses(workload: Any, weights_: Sequence[np.ndarray], batches: Sequence[tuple[np.ndarray, np.ndarray]],

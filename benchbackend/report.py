@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 import pandas as pd
 
-from . import compare, page, plots, summary
+from . import compare, page, plots, plots_scaling, scaling, summary
 from .errors import ResultsError
 from .experiments import CONTEXT_KEYS, GROUP_KEYS, LABEL_NAMES, REPEAT_KEYS, context_name, text, with_experiment
 
@@ -78,6 +78,12 @@ def _context_figures(df: pd.DataFrame, timed: pd.DataFrame, ctx: tuple, frame: p
                              f"Training throughput on {where}: samples per second of the steady epochs (median over "
                              "ok repeats), with the model FLOPs utilization (MFU: achieved FLOP/s over the peak) "
                              f"where a peak is known. {verdicts} {_FAILED}"))
+        if "replicas" in trains and (trains["replicas"] > 1).any():
+            out.append(Drawn(f"{stem}-scaling", plots_scaling.scaling_figure(trains, where),
+                             f"Training throughput against data-parallel replicas on {where}: per backend, the "
+                             "median samples/s over ok repeats with its interval, strong scaling solid, weak dashed; "
+                             "each N > 1 labelled with its scaling efficiency throughput_N / (N x throughput_1) and "
+                             f"its 95% interval; dotted: perfect scaling. {_FAILED}"))
         out.append(Drawn(f"{stem}-curves", plots.curves_figure(train, frame, where),
                          f"Training loss and validation accuracy per epoch on {where}: the mean over repeats, the "
                          "band spans their min to max. Backends that agree draw the same curve: hollow markers of "
@@ -99,6 +105,7 @@ def figures(df: pd.DataFrame, baseline: Optional[str] = None) -> list[Drawn]:
     df = with_experiment(df)
     reduced = summary.summarize(df)
     ranked, _ = compare.rank(reduced, baseline)
+    ranked = scaling.annotate(ranked, reduced, df)
     timed = _timed_rows(df, reduced)
     out: list[Drawn] = []
     contexts = sorted(ranked.groupby(CONTEXT_KEYS, sort=False),

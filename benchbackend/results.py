@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from .errors import ResultsError
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 #: Fixed columns, in this order; see README "CSV columns".
 BASE_COLUMNS = [
@@ -57,8 +57,9 @@ EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "f
                  # memory from the framework's own counter (``peak_device_mb``, MiB; empty on a CPU or
                  # without a counter) on every row with ``peak_rss_mb``. Older files: both empty.
                  "data_on_device", "peak_device_mb",
-                 # schema 7: the cell's data-parallel replicas and --scale-lr (``replicas``). Older files: 1, none.
-                 "replicas", "scale_lr"]
+                 # schema 7: data-parallel replicas and --scale-lr (``replicas``; older: 1, none); schema 8:
+                 # --scaling (weak: ``batch_size`` per replica; older: strong), an epoch's communication s.
+                 "replicas", "scale_lr", "scaling", "comm_s"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
@@ -73,13 +74,12 @@ NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "ac
            "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
            "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s",
            "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed", "pass", "attempt",
-           "peak_device_mb", "replicas"]
+           "peak_device_mb", "replicas", "comm_s"]
 #: The definition's fields as columns (schema 3), and the key of each in the ``definition`` text
 #: that older files carry (read once, when such a file is read: see ``_migrate``).
 DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch",
                       "inference_batch_size": "infer_batch", "seed": "seed"}
-#: A cell's attempt is named by its run, its place in that run's order (schema 3) and the attempt
-#: (schema 5; older files: 1).
+#: A cell's attempt: its run, its place in that run's order (schema 3), the attempt (schema 5; older: 1).
 CELL_KEY = ("run_id", "cell_order", "attempt")
 #: What a cell's ``run`` row says for every row of the cell.
 CELL_LEVEL = ("status", "time_to_accuracy_s")
@@ -307,8 +307,9 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Rows of older schemas, as schema 7 says them (see ``EXTRA_COLUMNS``):
+    """Rows of older schemas, as schema 8 says them (see ``EXTRA_COLUMNS``):
 
+    - before 8, every replica cell scaled strongly: ``scaling`` strong (``comm_s`` empty: not recorded);
     - before 7, every cell ran one replica, its learning rate unscaled: ``replicas`` 1, ``scale_lr`` none;
     - before 6, ``data_on_device`` and ``peak_device_mb`` were not recorded: empty (unknown);
     - before 5, a cell had one attempt: ``attempt`` is 1;
@@ -321,7 +322,7 @@ def _migrate(df: "Any") -> None:
     - before 3, the definition is named only in its text (``train=1024 ... batch=32``): the
       definition columns are filled from it, the one place that text is ever read back.
     """
-    for col, value in (("attempt", "1"), ("replicas", "1"), ("scale_lr", "none")):  # before schemas 5 and 7
+    for col, value in (("attempt", "1"), ("replicas", "1"), ("scale_lr", "none"), ("scaling", "strong")):
         df.loc[df[col] == "", col] = value
     version = df["schema_version"].astype(int)
     old = version < 4

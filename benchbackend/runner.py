@@ -256,7 +256,8 @@ class Runner:
                 "data_sha256": self.checksums.get(w.hash(), ""), "inference_only": self._inference_only(c.backend),
                 "definition": definition(w, source), "limit": w.data.train, "epochs": w.training.epochs,
                 "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed,
-                "replicas": c.replicas, "scale_lr": self.plan.options.scale_lr}
+                "replicas": c.replicas, "scale_lr": self.plan.options.scale_lr,
+                "scaling": self.plan.options.scaling if c.replicas > 1 else "strong"}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device), base)
         if attempt == 1:
             self.display.cell_started(cell)

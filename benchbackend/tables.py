@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
+from . import scaling
 from .experiments import CONTEXT_KEYS, context_name
 from .peaks import TRAIN_FLOPS_FACTOR
 from .stats import CI_LABEL, ESTIMATOR, RANGE_LABEL, Ratio
@@ -267,6 +268,9 @@ def _text(groups: pd.DataFrame, table: Callable[[list[str], list[list[str]]], st
             parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains, metric))]
         if timed_infer or not len(trains):
             parts += ["**Inference**" if markdown else "Inference", table(*_infer_rows(frame))]
+        scaled = scaling.rows(frame) if "replicas" in frame else None
+        if scaled is not None:
+            parts += ["**Scaling**" if markdown else "Scaling", scaling.SCALING_LINE, table(*scaled)]
         if verdicts:
             parts.append(_fastest_line(frame, metric))
         blocks.append(("\n\n" if markdown else "\n").join(parts))

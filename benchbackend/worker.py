@@ -162,7 +162,8 @@ def run_job(job: Job, emit: Emit) -> None:
     from .errors import BackendUnavailable
     from .replicas import scaled
 
-    workload = scaled(job.workload, job.options.replicas, job.options.scale_lr)  # --scale-lr: the lr trained
+    o = job.options  # --scale-lr, --scaling: the lr and global batch the replicas train
+    workload = scaled(job.workload, o.replicas, o.scale_lr, o.scaling)
     try:
         cls = load_class(job.target)
         backend = cls(workload, job.device, job.mode, job.precision, asdict(job.options))
@@ -247,15 +248,17 @@ def _train(cell: Cell, base: dict[str, Any]) -> bool:
     val_split = cell.val_split
     n_val = len(arrays[f"y_{val_split}"])
     steps = -(-n_train // workload.training.batch_size)
+    backend.comm_seconds()  # the trajectory check's steps communicated too: not an epoch's
     for epoch, order in enumerate(arrays["orders"][: workload.training.epochs], start=1):
         (loss, acc), seconds = cell.region(lambda: backend.train_epoch(order))
+        comm = backend.comm_seconds()
         loss, acc = float(loss), float(acc)
         finite = bool(np.isfinite(loss))
         val_loss, val_acc = cell.evaluate(val_split) if finite else (float("nan"), float("nan"))
         cell.emit({**base, "phase": "train_epoch", "epoch": epoch, "samples": n_train, "seconds": seconds,
                    "samples_per_s": n_train / seconds if seconds > 0 else None, "loss": loss, "accuracy": acc,
                    "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": n_val, "steps": steps,
-                   **_memory(backend)})
+                   "comm_s": comm, **_memory(backend)})
         if not finite:
             return False
     return True

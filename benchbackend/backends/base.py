@@ -194,6 +194,12 @@ class Backend(ABC):
         """Current weights converted back to the canonical layout (tests use it)."""
         raise NotImplementedError
 
+    def comm_seconds(self) -> Optional[float]:
+        """Seconds this replica spent in gradient communication since the last call, where the
+        data-parallel engine exposes them (torch DDP's comm hook); None elsewhere. The worker
+        records them per epoch (``comm_s``)."""
+        return None
+
     def close(self) -> None:
         """Release what the cell started beyond this process (a data-parallel adapter's replica
         processes); the worker calls it when the cell ends, however it ends."""
