@@ -78,13 +78,15 @@ def _values_by_source(values: dict[str, set[str]]) -> str:
 
 def _env_rows(df: pd.DataFrame) -> list[dict[str, str]]:
     """The distinct (group, workload, environment, source) rows, as text ("" where not recorded)."""
-    cols = list(dict.fromkeys(GROUP_KEYS + ["workload", "workload_hash", "data_source", *CONTEXT_ENV,
+    cols = list(dict.fromkeys(GROUP_KEYS + ["workload", "workload_hash", "data_source", "replicas", *CONTEXT_ENV,
                                             *BACKEND_ENV, "source"]))
     env = df[[c for c in cols if c in df.columns]].drop_duplicates()
     for c in cols:
         if c not in env.columns:
             env[c] = ""
     threads = pd.to_numeric(env["threads"], errors="coerce")
+    if "replicas" in env.columns:  # per replica in the column: the cell's own count is N times it
+        threads = threads * pd.to_numeric(env["replicas"], errors="coerce").fillna(1)
     env["threads"] = threads.map(lambda v: "" if pd.isna(v) else f"{v:g}")
     return env.astype(str).drop_duplicates().to_dict("records")
 

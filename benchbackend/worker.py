@@ -300,6 +300,9 @@ def _peak(backend: Any, job: Job) -> Optional[dict[str, Any]]:
         return None
     flops, by, when = found
     source = f"{by} GEMM probe" + ("" if fresh and by == prober else f" (cached {when})")
+    n = job.options.replicas
+    if n > 1:  # the probe is one replica's (its threads, its device); the cell runs N of them
+        flops, source = flops * n, f"{source} x {n} replicas"
     return {"flops": flops, "source": source, "cache_key": k}
 
 

@@ -56,8 +56,6 @@ def _adapter(module: str, cls: str) -> str:
 
 #: The ``--device`` forms of a CUDA GPU, which every GPU-capable adapter resolves (``spec.gpu_index``).
 _GPU = ("gpu", "gpu:N", "cuda", "cuda:N")
-#: The GEMM probe and thread control: what torch, TensorFlow and JAX adapters declare.
-_PROBING = Capabilities(peak_probe=True, thread_control=True)
 
 
 BACKENDS: dict[str, BackendSpec] = {
@@ -88,7 +86,9 @@ BACKENDS: dict[str, BackendSpec] = {
                     modes=(Mode("tf.function", "Keras 3 model, a traced tf.function train step per batch shape"),
                            Mode("xla", "the same train/predict steps compiled by XLA (jit_compile=True)")),
                     precisions=("fp32", "tf32", "bf16"), env=_tf_env, extra="tensorflow",
-                    devices=("cpu", *_GPU, "/GPU:N"), capabilities=_PROBING, builds=CNN_LAYERS + TRANSFORMER_LAYERS),
+                    devices=("cpu", *_GPU, "/GPU:N"), builds=CNN_LAYERS + TRANSFORMER_LAYERS,
+                    capabilities=Capabilities(peak_probe=True, thread_control=True,
+                                              replicas=_adapter("tensorflow_replicas", "TensorFlowMirroredBackend"))),
         BackendSpec("jax", _adapter("jax", "JaxBackend"), ("jax",), "jax", "pip install 'benchbackend[jax]'",
                     "JAX / XLA (CPU; GPU with jax[cuda12]; TPU with jax[tpu])",
                     modes=(Mode("jit", "lax/jnp layers, one jitted train step per batch"),
@@ -101,7 +101,8 @@ BACKENDS: dict[str, BackendSpec] = {
                     modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, jit_compile per Keras default "
                                        "(XLA)"),),
                     precisions=("fp32", "tf32"), env=_keras_jax_env, extra="keras3",
-                    devices=("cpu", *_GPU, "tpu", "tpu:N"), builds=CNN_LAYERS + TRANSFORMER_LAYERS),
+                    devices=("cpu", *_GPU, "tpu", "tpu:N"), builds=CNN_LAYERS + TRANSFORMER_LAYERS,
+                    capabilities=Capabilities(replicas=_adapter("keras_replicas", "KerasJaxDataParallelBackend"))),
         BackendSpec("keras-torch", _adapter("keras3", "KerasTorchBackend"), ("keras", "torch"), "keras",
                     "pip install 'benchbackend[keras3,torch]' torch==2.13.0", "Keras 3 on PyTorch (CPU, CUDA)",
                     modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, eager torch per Keras default"),),
