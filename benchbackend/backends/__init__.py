@@ -95,7 +95,8 @@ BACKENDS: dict[str, BackendSpec] = {
                            Mode("scan", "K train steps per dispatch in lax.scan (K = --steps-per-execution)")),
                     precisions=("fp32", "tf32", "bf16"), env=_jax_env, extra="jax",
                     devices=("cpu", *_GPU, "tpu", "tpu:N"),
-                    capabilities=Capabilities(peak_probe=True), builds=CNN_LAYERS + TRANSFORMER_LAYERS),
+                    capabilities=Capabilities(peak_probe=True, replicas=_adapter("jax_replicas", "JaxShardedBackend")),
+                    builds=CNN_LAYERS + TRANSFORMER_LAYERS),
         BackendSpec("keras-jax", _adapter("keras3", "KerasJaxBackend"), ("keras", "jax"), "keras",
                     "pip install 'benchbackend[keras3]'", "Keras 3 on JAX (CPU, GPU, TPU)",
                     modes=(Mode("fit", "Keras 3 model.fit on pre-permuted arrays, jit_compile per Keras default "
