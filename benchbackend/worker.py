@@ -250,6 +250,7 @@ def _train(cell: Cell, base: dict[str, Any]) -> bool:
     steps = -(-n_train // workload.training.batch_size)
     backend.comm_seconds()  # the trajectory check's steps communicated too: not an epoch's
     for epoch, order in enumerate(arrays["orders"][: workload.training.epochs], start=1):
+        backend.barrier()  # replicas that each run the whole cell line up outside the clock
         (loss, acc), seconds = cell.region(lambda: backend.train_epoch(order))
         comm = backend.comm_seconds()
         loss, acc = float(loss), float(acc)

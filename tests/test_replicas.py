@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from support import replica_traps
 
 from benchbackend import checks, plan, replicas, workload
 from benchbackend.cli import main
@@ -189,14 +190,12 @@ class LrTimesN(TorchDDPBackend):
 
 class OverlappingShards(TorchDDPBackend):
     def _split(self, size):
-        n = size // self.world
-        return [(r * n // 2, r * n // 2 + n, 1.0) for r in range(self.world)]  # halves overlap
+        return replica_traps.overlapping(size, self.world)
 
 
 class DroppedRemainder(TorchDDPBackend):
     def _split(self, size):
-        n = size // self.world  # floor: the last batch's odd sample is no replica's
-        return [(r * n, (r + 1) * n, 1.0) for r in range(self.world)]
+        return replica_traps.dropped_remainder(size, self.world)
 
 
 @requires_torch
@@ -209,6 +208,40 @@ def test_each_planted_trap_is_caught_by_replica_parity(tmp_path, trap):
     # A wrong update shows from the second step on; the dropped remainder only at the short last batch.
     expected = {"SummedGradients": 2, "LrTimesN": 2, "DroppedRemainder": STEPS}
     assert step == expected.get(trap, step) and step is not None, (trap, message)
+
+
+@requires_torch
+@pytest.mark.slow
+def test_comm_seconds_is_the_gradient_allreduce_time_since_the_last_call():
+    import math
+    import time
+
+    from benchbackend.model import initial_weights
+
+    w = _workload()
+    rng = np.random.default_rng(0)
+    x, y = rng.random((SAMPLES, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, SAMPLES)
+    ddp = TorchDDPBackend(w, "cpu", options={"replicas": 2, "threads": 1})
+    try:
+        ddp.build(initial_weights(w, 1))
+        assert ddp.comm_seconds() is None  # no replicas yet: nothing is timed
+        ddp.set_data(x, y)
+        assert ddp.comm_seconds() == 0.0  # joined, wrapped: no gradient has been reduced yet
+        start = time.perf_counter()
+        ddp.to_host(ddp.train_epoch(np.arange(SAMPLES))[0])
+        wall = time.perf_counter() - start
+        seconds = ddp.comm_seconds()
+        assert seconds is not None and math.isfinite(seconds) and 0 < seconds <= wall  # 4 steps' all-reduces
+        assert ddp.comm_seconds() == 0.0  # since the last call
+    finally:
+        ddp.close()
+    trap = SummedGradients(w, "cpu", options={"replicas": 2, "threads": 1})
+    try:  # a hook of the adapter's own stays (DDP takes one): nothing is timed
+        trap.build(initial_weights(w, 1))
+        trap.set_data(x, y)
+        assert trap.comm_seconds() is None
+    finally:
+        trap.close()
 
 
 def test_compare_keeps_n_replicas_apart_from_one():

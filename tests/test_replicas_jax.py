@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import replica_traps
 
 from benchbackend import backends, checks, launch, plan, replicas, truth, workload
 from benchbackend.data import normalize
@@ -173,14 +174,12 @@ class LrTimesN(JaxShardedBackend):
 
 class OverlappingShards(JaxShardedBackend):
     def _split(self, size):
-        n = size // self.world
-        return [(r * n // 2, r * n // 2 + n, 1.0) for r in range(self.world)]  # halves overlap
+        return replica_traps.overlapping(size, self.world)
 
 
 class DroppedRemainder(JaxShardedBackend):
     def _split(self, size):
-        n = size // self.world  # floor: the last batch's odd sample is no replica's
-        return [(r * n, (r + 1) * n, 1.0) for r in range(self.world)]
+        return replica_traps.dropped_remainder(size, self.world)
 
 
 @pytest.mark.parametrize("trap", ["SummedGradients", "LrTimesN", "OverlappingShards", "DroppedRemainder"])

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support import replica_traps
 
 from benchbackend import checks, workload
 from conftest import ROOT, requires_tf, run_cell, spawn_cell
@@ -112,14 +113,12 @@ class LrTimesN(TensorFlowMirroredBackend):
 
 class OverlappingShards(TensorFlowMirroredBackend):
     def _split(self, size):
-        n = size // self.world
-        return [(r * n // 2, r * n // 2 + n, 1.0) for r in range(self.world)]  # halves overlap
+        return replica_traps.overlapping(size, self.world)
 
 
 class DroppedRemainder(TensorFlowMirroredBackend):
     def _split(self, size):
-        n = size // self.world  # floor: the last batch's odd sample is no replica's
-        return [(r * n, (r + 1) * n, 1.0) for r in range(self.world)]
+        return replica_traps.dropped_remainder(size, self.world)
 
 
 @pytest.mark.parametrize("trap", ["SummedGradients", "LrTimesN", "OverlappingShards", "DroppedRemainder"])

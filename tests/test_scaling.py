@@ -110,8 +110,10 @@ def test_two_weak_replicas_train_twice_the_batch_and_match_the_reference_there(t
 
     w = workload.load("mnist").with_overrides(limit=96, epochs=1, batch_size=16)
     msgs, rows = run_cell(tmp_path, w, "torch", parity_steps=3, options=Options(replicas=2, threads=1, scaling="weak"))
-    status, message = checks.cell_status(rows, w)
-    assert status == "ok", message
+    trajectory = next(r for r in rows if r["phase"] == "parity" and r.get("steps"))
+    # Three steps of global batches of 32 agree with the reference at that batch (a tiny epoch may
+    # still end at chance accuracy: the status is not the point here).
+    assert trajectory["steps"] == 3 and trajectory["parity_step"] is None, checks.cell_status(rows, w)
     epoch = next(r for r in rows if r["phase"] == "train_epoch")
     assert epoch["steps"] == 3  # 96 samples in global batches of 2 x 16
     assert epoch["comm_s"] > 0  # DDP's comm hook timed the all-reduces

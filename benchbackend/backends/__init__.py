@@ -79,7 +79,7 @@ BACKENDS: dict[str, BackendSpec] = {
                     precisions=("fp32", "tf32", "bf16", "fp16"), env=_torch_env, extra="torch",
                     devices=("cpu", *_GPU), builds=CNN_LAYERS + TRANSFORMER_LAYERS,
                     capabilities=Capabilities(peak_probe=True, thread_control=True,
-                                              replicas=_adapter("torch_ddp", "TorchDDPBackend"))),
+                                              replicas=_adapter("torch_ddp", "TorchDDPBackend"), ray_train=True)),
         BackendSpec("tensorflow", _adapter("tensorflow", "TensorFlowBackend"), ("tensorflow", "keras"),
                     "tensorflow-cpu", "pip install 'benchbackend[tensorflow]' (tensorflow on GPU machines)",
                     "TensorFlow 2 / Keras 3 (CPU, GPU)",

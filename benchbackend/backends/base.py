@@ -194,6 +194,11 @@ class Backend(ABC):
         """Current weights converted back to the canonical layout (tests use it)."""
         raise NotImplementedError
 
+    def barrier(self) -> None:
+        """Wait until every replica of a cell whose replicas each run the whole cell (Ray Train's:
+        ``options.rendezvous``) has come here. The worker calls it just before each epoch's clock,
+        so that untimed work one replica finishes later (validation, say) is not in the epoch."""
+
     def comm_seconds(self) -> Optional[float]:
         """Seconds this replica spent in gradient communication since the last call, where the
         data-parallel engine exposes them (torch DDP's comm hook); None elsewhere. The worker

@@ -39,6 +39,9 @@ class Capabilities:
     #: ``module:Class`` of the adapter that trains ``--replicas N`` > 1 on the framework's own
     #: data-parallel engine (``benchbackend.replicas``); "" where there is none yet (``unavailable``).
     replicas: str = ""
+    #: That adapter can also join a process group made outside its worker (``options.rendezvous``),
+    #: so that under ``--executor ray`` Ray Train's ``TorchTrainer`` starts its replicas across nodes.
+    ray_train: bool = False
 
 
 def gpu_index(device: str, backend: str) -> Optional[int]:

@@ -11,11 +11,22 @@ training arrays from shared memory, joins the process group, and then waits for 
 commands on a pipe: load weights, train an epoch in an order, train the trajectory's steps, stop.
 A replica whose pipe closes (replica 0 is gone) exits.
 
+Across nodes (``executors/ray_train.py``) the replicas are started by Ray Train instead, one worker
+per replica, each running the whole cell (SPMD: build, parity, epochs, validation, inference, in
+the same order on the same data and weights); ``options["rendezvous"]`` then names the process
+group's address and ``options["rank"]`` this replica's rank. The adapter spawns nothing and tells
+no one: it joins the group when the training arrays arrive and otherwise trains as replica 0 does
+here. Only rank 0's rows are kept. A replica whose launcher is gone (its Ray Train worker killed,
+its node lost) exits rather than wait in a collective for peers that will not come; ``barrier``
+lines the replicas up before each epoch's clock (see its docstring).
+
 A step: each replica takes its slice of the global batch (``_split``: ``replicas.shards``) and
 backpropagates its mean loss times its weight (``replicas.weights``); DDP averages the gradients
 during the backward pass; every replica then applies the same optimizer step. An epoch ends with an
 all-reduce of its loss and accuracy totals, so ``train_epoch`` returns on replica 0 only when every
 replica has finished its last step: the worker's clock reads the wall time of the global epoch.
+``comm_seconds`` reads the time the gradient all-reduce was in flight (a DDP comm hook that times
+DDP's own averaging).
 
 Tests plant the traps the trajectory check must catch by overriding ``_split`` (overlapping slices,
 a dropped remainder), ``_wrap`` (a DDP comm hook that sums) or the learning rate after ``build``.
@@ -25,6 +36,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 import warnings
 from typing import Any, Mapping, Optional, Sequence
 
@@ -32,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import BackendUnavailable
@@ -54,8 +67,11 @@ class TorchDDPBackend(TorchBackend):
         #: This replica's rank (0: the worker's own process) and the number of replicas.
         self.rank = int(opts.pop("rank", 0))
         self.world = int(opts.get("replicas") or 1)
+        #: The address of a group made outside the worker (Ray Train's replicas); "" when replica 0
+        #: starts the others itself.
+        self.rendezvous = str(opts.pop("rendezvous", "") or "")
         super().__init__(workload, device, mode, precision, opts)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.rendezvous:  # Ray Train shows each replica its own GPU
             first = self.device.index or 0
             if first + self.world > torch.cuda.device_count():
                 raise BackendUnavailable(f"torch: --replicas {self.world} from cuda:{first} needs {self.world} GPUs "
@@ -65,9 +81,13 @@ class TorchDDPBackend(TorchBackend):
         self.train_model: Any = None
         self.peers: list[tuple[Any, Any]] = []  # (process, command pipe) of replicas 1..N-1, on replica 0
         self._weights: list[np.ndarray] = []
+        self._comm: Optional[_CommClock] = None  # set when the timing hook is registered (``_hook``)
+        if self.rendezvous:
+            _exit_with_parent()
 
     def details(self) -> dict[str, Any]:
-        return {**super().details(), "replicas": f"{self.world} (DistributedDataParallel, {self._engine()})"}
+        across = ", Ray Train" if self.rendezvous else ""
+        return {**super().details(), "replicas": f"{self.world} (DistributedDataParallel, {self._engine()}{across})"}
 
     def _engine(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
@@ -82,7 +102,12 @@ class TorchDDPBackend(TorchBackend):
 
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         super().set_data(x_train, y_train)
-        if self.rank == 0 and not self.peers:  # the worker gives the same arrays again after a rebuild
+        if self.rendezvous:
+            if self.ddp is None:  # the worker gives the same arrays again after a rebuild
+                self._join(self.rendezvous)
+                self._wrap()
+                self._hook()
+        elif self.rank == 0 and not self.peers:
             self._start()
 
     def train_epoch(self, order: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +118,20 @@ class TorchDDPBackend(TorchBackend):
         batches = [(np.asarray(x), np.asarray(y)) for x, y in batches]
         self._tell("steps", batches)
         return self._steps(batches)
+
+    def barrier(self) -> None:
+        """Wait until every replica has come here. The worker calls it just before an epoch's
+        clock: replicas that each run the whole cell (Ray Train's) reach an epoch after untimed
+        work (validation, parity) that one may finish later than another, and rank 0's clock must
+        not count that wait. Here, replica 0 starts the others' epochs itself: nothing to wait for."""
+        if self.rendezvous and dist.is_initialized():
+            dist.barrier()
+
+    def comm_seconds(self) -> Optional[float]:
+        """Seconds during which a gradient all-reduce was in flight on this replica since the last
+        call; None where the timing hook is not registered (no replicas yet, CUDA, or a hook of
+        ``_wrap``'s own: see ``_hook``)."""
+        return None if self._comm is None else self._comm.read()
 
     def close(self) -> None:
         """Stop the other replicas (killed if they do not stop within 30 s) and leave the group."""
@@ -130,18 +169,19 @@ class TorchDDPBackend(TorchBackend):
             proc.start()
             recv.close()  # the replica holds the only read end: it sees EOF when this process is gone
             self.peers.append((proc, send))
-        self._join_watching(store)
+        self._join_watching(f"file://{store}")
         self._tell("build", self._weights)
         self._wrap()
+        self._hook()
 
-    def _join_watching(self, store: str) -> None:
+    def _join_watching(self, init_method: str) -> None:
         """Join the process group, failing at once (not after the store's timeout) when a replica
         exits before it joined (it could not import, say: its traceback is on stderr)."""
         done, failed = threading.Event(), []
 
         def join() -> None:
             try:
-                self._join(store)
+                self._join(init_method)
             except BaseException as exc:  # raised again in the caller's thread
                 failed.append(exc)
             finally:
@@ -157,9 +197,8 @@ class TorchDDPBackend(TorchBackend):
             raise failed[0]
 
     # --- every replica ---------------------------------------------------------------------------
-    def _join(self, store: str) -> None:
-        dist.init_process_group(self._engine(), init_method=f"file://{store}", rank=self.rank,
-                                world_size=self.world)
+    def _join(self, init_method: str) -> None:
+        dist.init_process_group(self._engine(), init_method=init_method, rank=self.rank, world_size=self.world)
 
     def _wrap(self) -> None:
         """The DDP wrapper the training steps run (averaging gradients in the backward pass)."""
@@ -167,6 +206,16 @@ class TorchDDPBackend(TorchBackend):
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.net, device_ids=ids)
         self.train_model = torch.compile(self.ddp, dynamic=False) if self.compiled else self.ddp
+
+    def _hook(self) -> None:
+        """Time the gradient all-reduce (``comm_seconds``), DDP's averaging unchanged, unless
+        ``_wrap`` registered a hook of its own (a test's trap: DDP takes one hook only). Not on
+        CUDA: NCCL's future completes when the all-reduce is queued on its stream, not when it is
+        done, so the hook would time the launch (the device's time would need CUDA events)."""
+        assert self.ddp is not None
+        if self.device.type == "cpu" and not self.ddp._comm_hooks:  # DDP's own record (it has no public one)
+            self._comm = _CommClock()
+            self.ddp.register_comm_hook(self._comm, _timed_allreduce)
 
     def _split(self, size: int) -> list[tuple[int, int, float]]:
         """(start, stop, weight) of each replica's share of a global batch of ``size`` (``replicas``)."""
@@ -233,7 +282,7 @@ def _serve(setup: tuple, rank: int, store: str, pipe: Any, x: torch.Tensor, y: t
     """A replica other than 0 (a spawned process): build, join, then run replica 0's commands."""
     cls, workload, device, mode, precision, options = setup
     replica = cls(workload, device, mode, precision, {**options, "rank": rank})
-    replica._join(store)
+    replica._join(f"file://{store}")
     try:  # an exception's traceback goes to the worker's stderr (multiprocessing prints it)
         replica.x_train, replica.y_train = x.to(replica._held()), y.to(replica._held())
         while True:
@@ -247,9 +296,77 @@ def _serve(setup: tuple, rank: int, store: str, pipe: Any, x: torch.Tensor, y: t
                 replica.build(payload)
                 if replica.ddp is None:
                     replica._wrap()
+                    replica._hook()
             elif op == "epoch":
                 replica._epoch(payload)
             elif op == "steps":
                 replica._steps(payload)
     finally:
         dist.destroy_process_group()
+
+
+class _CommClock:
+    """The wall time during which at least one gradient bucket's all-reduce was in flight, from its
+    launch (the hook's call) to its future's completion. DDP launches a bucket while earlier ones
+    may still be in flight, where it waits behind them: the union of the intervals is counted, not
+    their sum, which would count that wait twice and could exceed the epoch's own time. Completions
+    arrive on the process group's threads, hence the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since = 0.0  # when the current busy span began
+        self._total = 0.0
+
+    def launched(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter()
+            self._in_flight += 1
+
+    def completed(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._total += time.perf_counter() - self._since
+
+    def read(self) -> float:
+        """Seconds since the last read (a span still in flight counts up to now)."""
+        with self._lock:
+            now = time.perf_counter()
+            total = self._total + (now - self._since if self._in_flight else 0.0)
+            self._total, self._since = 0.0, now
+            return total
+
+
+def _timed_allreduce(clock: _CommClock, bucket):
+    """DDP's averaging (``allreduce_hook``: the bucket divided by N, then all-reduced), timed. The
+    bucket and the result (a ``torch.futures.Future[torch.Tensor]``) go unannotated: DDP checks the
+    annotations it finds, which ``from __future__ import annotations`` makes strings."""
+    clock.launched()
+    try:
+        fut = allreduce_hook(None, bucket)  # None: the default group, the one DDP wraps
+    except BaseException:
+        clock.completed()
+        raise
+
+    def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        try:
+            return f.value()
+        finally:
+            clock.completed()
+
+    return fut.then(done)
+
+
+def _exit_with_parent() -> None:
+    """Exit this process when its parent (the Ray Train worker that started it) is gone: a killed
+    worker cannot stop its child, and a replica left behind would wait in a collective, then train on."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="benchbackend-parent-watch").start()

@@ -23,6 +23,11 @@ that does not exist:
   autoscaler's node, or one that is starting), and asks the autoscaler for it, before its cells
   are called ``unavailable``.
 
+A data-parallel cell (``--replicas N``) runs its replicas on N Ray Train workers, on different
+nodes where there are (``ray_train.py``); a unit of them holds the cluster: it starts when nothing
+else runs, and nothing else starts until it ends, so that Ray Train never waits for nodes a cell
+holds (it gives up on a placement after a minute) and nothing else shares what its all-reduce crosses.
+
 Faults cost one cell: a Ray worker or node that dies mid-cell makes that cell ``crashed`` with
 Ray's reason (its streamed rows are kept), or, under ``retries``, ends that attempt ``retried``
 and runs the cell again (then as attempt 2, ...); the task's remaining cells are resubmitted, to
@@ -45,37 +50,20 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .. import backends
-from ..backends.spec import gpu_index
 from ..errors import ClusterError
 from ..messages import Ended, Message, Outcome, Started, decode
-from .ray_node import DataSource, cell_task
+from .ray_node import ENV_RESOURCE, DataSource, alive_nodes, cell_task, local_resources, missing, needs
+from .ray_train import replica_cpus, start_replicas, too_few, unsupported
 
 if TYPE_CHECKING:
     from ..plan import Cell, GroupId
     from ..runner import Task
 
-ENV_RESOURCE = "benchbackend-env-{}"
-#: How much of a node's ``benchbackend-env-*`` resource a cell takes: a marker, not a limit.
-ENV_SHARE = 0.001
 _POLL_S = 0.5
 _CONNECT_TIMEOUT_S = 10.0
 _CANCEL_GRACE_S = 10.0
-
-
-def local_resources() -> dict[str, float]:
-    """The custom resources this machine advertises: one per isolated environment ready here."""
-    from .. import envs
-
-    return {ENV_RESOURCE.format(name): 1.0 for name in backends.isolated_envs() if envs.is_ready(name)}
-
-
-def needs(task: "Task") -> dict[str, float]:
-    """The Ray resources a cell needs besides CPUs: a GPU, an isolated environment."""
-    out = {"GPU": 1.0} if task.job.device != "tpu" and gpu_index(task.job.device, task.spec.name) is not None else {}
-    if task.spec.isolated_env:
-        out[ENV_RESOURCE.format(task.spec.isolated_env)] = ENV_SHARE
-    return out
+#: The node of a running data-parallel unit: it holds every node (see the module docstring).
+_CLUSTER = "*"
 
 
 @dataclass
@@ -89,6 +77,10 @@ class _Work:
     @property
     def needs(self) -> dict[str, float]:
         return needs(self.tasks[0])
+
+    @property
+    def replicas(self) -> int:
+        return self.tasks[0].cell.choice.replicas
 
 
 @dataclass
@@ -170,12 +162,13 @@ def _check_reachable(address: str) -> None:
 
 def _units(tasks: Sequence["Task"], mixed: bool) -> list[_Work]:
     """The work units in plan order: one per cell with mixed hosts allowed, else one per comparison
-    group and set of needs (a group's cells in an isolated environment form their own unit)."""
+    group, set of needs and replicas (a group's cells in an isolated environment form their own unit)."""
     if mixed:
         return [_Work([t]) for t in tasks]
-    units: dict[tuple[str, tuple], _Work] = {}
+    units: dict[tuple[str, tuple, int], _Work] = {}
     for t in tasks:
-        units.setdefault((t.cell.comparison, tuple(sorted(needs(t).items()))), _Work([])).tasks.append(t)
+        key = (t.cell.comparison, tuple(sorted(needs(t).items())), t.cell.choice.replicas)
+        units.setdefault(key, _Work([])).tasks.append(t)
     return list(units.values())
 
 
@@ -197,7 +190,7 @@ class _Session:
         try:
             while self.pending or self.running:
                 if self.pending:
-                    yield from self._submit(_alive_nodes())
+                    yield from self._submit(alive_nodes())
                 if not self.running:
                     time.sleep(_POLL_S)  # every node that can take the next work is busy elsewhere
                     continue
@@ -218,12 +211,18 @@ class _Session:
             busy[task.node] = busy.get(task.node, 0) + 1
         slots = self.ex.cells_per_node or 1
         waiting: deque[_Work] = deque()
-        while self.pending:
+        while self.pending and _CLUSTER not in busy:
             work = self.pending.popleft()
             work.tasks = [t for t in work.tasks if t.cell.group not in self.given_up]
             if not work.tasks:
                 continue
-            fit = [n for n in nodes if not _missing(work.needs, n)]
+            if work.replicas > 1:
+                if busy:  # it waits for the cluster, and everything after it waits for it
+                    waiting.append(work)
+                    break
+                yield from self._replicas(work, nodes, waiting, busy)
+                continue
+            fit = [n for n in nodes if not missing(work.needs, n)]
             if work.node and any(n["NodeID"] == work.node for n in fit):
                 fit = [n for n in fit if n["NodeID"] == work.node]  # the work stays where it began
             if not fit:
@@ -240,7 +239,28 @@ class _Session:
             node = free[0]
             busy[node["NodeID"]] = busy.get(node["NodeID"], 0) + 1
             self._launch(work, node)
+        waiting.extend(self.pending)
         self.pending = waiting
+
+    def _replicas(self, work: _Work, nodes: list[dict[str, Any]], waiting: deque[_Work],
+                  busy: dict[str, int]) -> Iterator[Message]:
+        """Start a data-parallel unit (``ray_train``), which then holds the cluster, or say why it cannot run."""
+        for task in work.tasks:  # a backend whose engine Ray Train cannot start
+            if unsupported(task):
+                yield from self._unavailable(_Work([task]), nodes, unsupported(task))
+        work.tasks = [t for t in work.tasks if t.cell.group not in self.given_up]
+        cpus = replica_cpus(nodes, work.replicas, work.needs, self.ex.cells_per_node)
+        if not work.tasks:
+            return
+        if cpus is None and self._may_wait(work):
+            waiting.append(work)
+        elif cpus is None:
+            yield from self._unavailable(work, nodes, too_few(nodes, work.replicas, work.needs))
+        else:
+            work.waiting_since = None
+            gen = start_replicas(work.tasks, self._data(work), cpus, work.needs, self.ex.timeout)
+            self.running[gen] = _Running(work, _CLUSTER, gen)
+            busy[_CLUSTER] = 1
 
     def _may_wait(self, work: _Work) -> bool:
         """Whether ``work``, which no live node can take, waits on for a node to join (and asks the
@@ -283,14 +303,14 @@ class _Session:
                                          [ray.put(Path(path).read_bytes())])
         return self.data[path]
 
-    def _unavailable(self, work: _Work, nodes: list[dict[str, Any]]) -> Iterator[Message]:
-        missing = sorted({m for n in nodes for m in _missing(work.needs, n)} or ["CPU", *work.needs])
+    def _unavailable(self, work: _Work, nodes: list[dict[str, Any]], why: str = "") -> Iterator[Message]:
+        lacking = sorted({m for n in nodes for m in missing(work.needs, n)} or ["CPU", *work.needs])
         hint = "".join(f"; advertise it with `ray start --resources '{{\"{m}\": 1}}'` on a node that has run "
                        f"`benchbackend setup {m.removeprefix(ENV_RESOURCE.format(''))}`"
-                       for m in missing if m.startswith(ENV_RESOURCE.format("")))
+                       for m in lacking if m.startswith(ENV_RESOURCE.format("")))
         waited = f" (after waiting {self.ex.wait_for_nodes:g}s for nodes to join)" if self.ex.wait_for_nodes else ""
-        outcome = Outcome("unavailable", f"no live node of the Ray cluster ({len(nodes)} nodes) has "
-                                         f"{', '.join(missing)}{waited}{hint}")
+        outcome = Outcome("unavailable", why + waited if why else f"no live node of the Ray cluster ({len(nodes)} "
+                                                                 f"nodes) has {', '.join(lacking)}{waited}{hint}")
         for task in work.tasks:
             if task.cell.group not in self.given_up:
                 self.given_up.add(task.cell.group)
@@ -363,18 +383,6 @@ def _reason(exc: RayError) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     first = lines[0] if lines else ""
     return f"{type(exc).__name__}: {first}"[:400]
-
-
-def _missing(wanted: Mapping[str, float], node: Mapping[str, Any]) -> list[str]:
-    """What ``node`` lacks of ``wanted``; a node without CPUs (a head started with ``--num-cpus 0``,
-    to keep work off it) takes no cell."""
-    have = node.get("Resources", {})
-    lacks = [k for k, v in wanted.items() if float(have.get(k, 0)) < v]
-    return lacks if float(have.get("CPU", 0)) > 0 else ["CPU", *lacks]
-
-
-def _alive_nodes() -> list[dict[str, Any]]:
-    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeManagerHostname"] + n["NodeID"])
 
 
 def _ask_autoscaler(bundles: list[dict[str, float]]) -> None:

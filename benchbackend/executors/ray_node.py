@@ -1,4 +1,5 @@
-"""What runs on a Ray node: the task that runs a unit's cells there, and where it finds their data.
+"""What runs on a Ray node: the task that runs a unit's cells there, where it finds their data, and
+the resources a node must have for a cell (which the driver's placement and ``ray_train`` match).
 
 The arrays a cell reads (``data.prepare``: the splits and the epoch orders) are found on the node,
 in this order, and checked against the checksum the driver computed (``arrays.checksum``):
@@ -20,11 +21,13 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 import ray
 
+from .. import backends
+from ..backends.spec import gpu_index
 from ..launch import HEARTBEAT_S, python_for, stream, worker_environ
 from ..messages import Ended, Heartbeat, Outcome, Started, encode
 
@@ -32,6 +35,37 @@ if TYPE_CHECKING:
     from ..plan import GroupId
     from ..runner import Task
     from ..workload import Workload
+
+ENV_RESOURCE = "benchbackend-env-{}"
+#: How much of a node's ``benchbackend-env-*`` resource a cell takes: a marker, not a limit.
+ENV_SHARE = 0.001
+
+
+def local_resources() -> dict[str, float]:
+    """The custom resources this machine advertises: one per isolated environment ready here."""
+    from .. import envs
+
+    return {ENV_RESOURCE.format(name): 1.0 for name in backends.isolated_envs() if envs.is_ready(name)}
+
+
+def needs(task: "Task") -> dict[str, float]:
+    """The Ray resources a cell needs besides CPUs: a GPU, an isolated environment."""
+    out = {"GPU": 1.0} if task.job.device != "tpu" and gpu_index(task.job.device, task.spec.name) is not None else {}
+    if task.spec.isolated_env:
+        out[ENV_RESOURCE.format(task.spec.isolated_env)] = ENV_SHARE
+    return out
+
+
+def missing(wanted: Mapping[str, float], node: Mapping[str, Any]) -> list[str]:
+    """What ``node`` lacks of ``wanted``; a node without CPUs (a head started with ``--num-cpus 0``,
+    to keep work off it) takes no cell."""
+    have = node.get("Resources", {})
+    lacks = [k for k, v in wanted.items() if float(have.get(k, 0)) < v]
+    return lacks if float(have.get("CPU", 0)) > 0 else ["CPU", *lacks]
+
+
+def alive_nodes() -> list[dict[str, Any]]:
+    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeManagerHostname"] + n["NodeID"])
 
 
 @dataclass(frozen=True)
@@ -132,17 +166,18 @@ def cell_task(tasks: list["Task"], source: DataSource, share: Optional[int], tim
             python, env = python_for(task.spec), worker_environ(task.spec, job.device, job.options.threads)
             yield encode(Started(cell, {**node_env, "data_origin": origin}))
             forked = preloaders if preload and job.device == "cpu" else None
-            outcome = yield from _forward(stream(cell, python, env, job, timeout, heartbeat_s=1.0, preloaders=forked))
+            outcome = yield from forward(stream(cell, python, env, job, timeout, heartbeat_s=1.0, preloaders=forked))
             yield encode(Ended(cell, outcome))
             if outcome.status == "unavailable":
                 given_up.add(cell.group)
 
 
-def _forward(messages: Any) -> Any:
+def forward(messages: Any, awake: Optional[Callable[[], None]] = None) -> Any:
     """Yield a worker's messages ``encode``d, a heartbeat only after each ``HEARTBEAT_S`` of silence.
 
     The stream wakes every second so that a cancellation (KeyboardInterrupt, which Ray delivers
-    only between bytecodes) lands within a second; the stream's own cleanup then kills the worker."""
+    only between bytecodes) lands within a second; the stream's own cleanup then kills the worker.
+    ``awake`` is called at each such wake (a replica asks whether its run was stopped: ``ray_train``)."""
     heard = time.monotonic()
     try:
         while True:
@@ -150,6 +185,8 @@ def _forward(messages: Any) -> Any:
                 message = next(messages)
             except StopIteration as stop:
                 return stop.value
+            if isinstance(message, Heartbeat) and awake is not None:
+                awake()
             if isinstance(message, Heartbeat) and time.monotonic() - heard < HEARTBEAT_S:
                 continue
             heard = time.monotonic()
