@@ -2,8 +2,8 @@
 
 One line per backend, mode and precision, and per scaling (strong solid, weak dashed: never one
 line), through the single replica's point; beside each line a faint line of perfect scaling
-(N times the single replica's throughput), and at each N > 1 its efficiency with the interval
-(:mod:`benchbackend.scaling`). A replica count whose group failed is a red x with its status.
+(N times the single replica's throughput), and in the legend each N's efficiency with its
+interval (:mod:`benchbackend.scaling`). A replica count whose group failed is a red x with its status.
 matplotlib is imported inside the function (see ``plots.py``).
 """
 from __future__ import annotations
@@ -41,6 +41,9 @@ def scaling_figure(groups: pd.DataFrame, title: str) -> "Figure":
         label = groups.loc[firsts[line], "label"]
         name, look = label + (" (weak)" if line[3] == "weak" else ""), looks[label]
         ok = sub[sub["status"] == "ok"]
+        # Each N's efficiency in the legend: labels at the points would overlap where lines meet.
+        effs = [f"x{int(r['replicas'])} {efficiency_text(r)}" for _, r in ok[ok["replicas"] > 1].iterrows()]
+        name += f" ({'; '.join(effs)})" if effs else ""
         x, y = ok["replicas"].to_numpy(dtype=float), ok["samples_per_s"].to_numpy(dtype=float)
         below = np.nan_to_num(y - ok["sps_low"].to_numpy(dtype=float), nan=0.0).clip(min=0)
         above = np.nan_to_num(ok["sps_high"].to_numpy(dtype=float) - y, nan=0.0).clip(min=0)
@@ -52,9 +55,6 @@ def scaling_figure(groups: pd.DataFrame, title: str) -> "Figure":
         if len(one) and one["status"].iloc[0] == "ok":
             n = sub["replicas"].to_numpy(dtype=float)
             ax.plot(n, n * float(one["samples_per_s"].iloc[0]), color=look["color"], alpha=0.25, linestyle=":")
-        for _, r in ok[ok["replicas"] > 1].iterrows():
-            ax.annotate(efficiency_text(r), (r["replicas"], r["samples_per_s"]), xytext=(0, 8),
-                        textcoords="offset points", ha="center", fontsize=8, color=look["color"])
         for _, r in sub[sub["status"] != "ok"].iterrows():
             v = float(r["samples_per_s"]) if pd.notna(r["samples_per_s"]) else 0.0
             ax.plot([r["replicas"]], [v], marker="x", color=FAILED_COLOR, markersize=10, markeredgewidth=2)
@@ -66,6 +66,6 @@ def scaling_figure(groups: pd.DataFrame, title: str) -> "Figure":
     ax.set_ylim(0, None)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=9, frameon=False)
-    ax.set_title(wrap(f"{title}: training throughput against replicas (median over ok repeats; labels: scaling "
-                      "efficiency [95% CI]; dotted: perfect scaling)", 7.5), fontsize=11)
+    ax.set_title(wrap(f"{title}: training throughput against replicas (median over ok repeats; legend: scaling "
+                      "efficiency [95% CI] at each N; dotted: perfect scaling)", 7.5), fontsize=11)
     return fig

@@ -82,7 +82,7 @@ def _context_figures(df: pd.DataFrame, timed: pd.DataFrame, ctx: tuple, frame: p
             out.append(Drawn(f"{stem}-scaling", plots_scaling.scaling_figure(trains, where),
                              f"Training throughput against data-parallel replicas on {where}: per backend, the "
                              "median samples/s over ok repeats with its interval, strong scaling solid, weak dashed; "
-                             "each N > 1 labelled with its scaling efficiency throughput_N / (N x throughput_1) and "
+                             "the legend gives each N's scaling efficiency throughput_N / (N x throughput_1) with "
                              f"its 95% interval; dotted: perfect scaling. {_FAILED}"))
         out.append(Drawn(f"{stem}-curves", plots.curves_figure(train, frame, where),
                          f"Training loss and validation accuracy per epoch on {where}: the mean over repeats, the "

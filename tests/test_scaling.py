@@ -80,8 +80,10 @@ def test_the_scaling_figure_is_drawn(tmp_path):
     df = results.read(_csv(tmp_path))
     drawn = {d.stem: d for d in report.figures(df)}
     assert "cifar10-cpu-scaling" in drawn and "scaling efficiency" in drawn["cifar10-cpu-scaling"].caption
-    labels = [t.get_text() for t in drawn["cifar10-cpu-scaling"].figure.axes[0].texts]
-    assert any(label.startswith(f"{np.median(CELLS[0][2]) / np.median(CELLS[3][2]) / 4:.2f} [") for label in labels)
+    legend = [t.get_text() for t in drawn["cifar10-cpu-scaling"].figure.axes[0].get_legend().get_texts()]
+    eff4 = np.median(CELLS[0][2]) / np.median(CELLS[3][2]) / 4
+    assert any(f"x4 {eff4:.2f} [" in label and label.startswith("torch:eager (x2 ") for label in legend), legend
+    assert any(label.startswith("torch:eager (weak) (x2 ") for label in legend), legend
 
 
 def test_weak_scaling_needs_no_divisible_batch_and_scales_the_batch_not_the_definition():
