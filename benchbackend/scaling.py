@@ -12,8 +12,9 @@ divided by N, interval included. 1 is perfect scaling; 1/N means N replicas ran 
 
 Where the time goes: ``comm_share`` is the median fraction of a steady epoch spent in gradient
 communication where the engine measures it (``comm_s``: torch DDP's comm hook); elsewhere only the
-estimate from bytes is shown: ``grad_mb`` (the fp32 gradients, ``params * 4`` bytes) and the ring
-all-reduce's traffic per replica per step, ``2 (N - 1) / N * grad_mb`` (README "Data parallel").
+estimate from bytes is shown: ``grad_mb`` (the fp32 gradients, ``params * 4`` bytes, in MB of 10^6
+bytes as link speeds count them) and the ring all-reduce's traffic per replica per step,
+``2 (N - 1) / N * grad_mb`` (README "Data parallel").
 
 Nothing here imports a framework.
 """
@@ -59,7 +60,7 @@ def annotate(groups: pd.DataFrame, summary_: Any, df: pd.DataFrame) -> pd.DataFr
         values["scaling_high"].append(r.high / n if r else math.nan)
         seconds = comm.get(key.index, math.nan)
         values["comm_share"].append(seconds / row["steady_s"] if n > 1 and row["steady_s"] > 0 else math.nan)
-        grad = params.get(key.index, math.nan) * 4 / 2**20
+        grad = params.get(key.index, math.nan) * 4 / 1e6  # MB, as link speeds count (README's table)
         values["grad_mb"].append(grad if n > 1 else math.nan)
         values["ring_mb"].append(ring_mb(grad, n) if n > 1 else math.nan)
     for col, vals in values.items():
