@@ -226,10 +226,19 @@ def with_replicas(choices: list[Choice], replicas: Sequence[int]) -> list[Choice
         for n in list(dict.fromkeys(replicas)) or [1]:
             problem = c.problem
             if n > 1 and not problem and spec is not None and not spec.capabilities.replicas:
-                problem = (f"{c.backend}: --replicas {n} (data parallel) is not implemented for this backend yet; "
-                           "torch has it (DistributedDataParallel)")
+                problem = _no_replicas(spec, n)
             out.append(replace(c, replicas=n, problem=problem))
     return out
+
+
+def _no_replicas(spec: backends.BackendSpec, n: int) -> str:
+    """Why ``spec`` gives no cell of ``n`` replicas, naming the backends that have an engine for them."""
+    having = ", ".join(name for name, s in backends.BACKENDS.items() if s.capabilities.replicas)
+    if not spec.trains:
+        return (f"{spec.name}: --replicas {n} (data parallel) trains, and {spec.name} is an inference runtime; "
+                f"backends with a data-parallel engine: {having}")
+    return (f"{spec.name}: --replicas {n} (data parallel) is not implemented for this backend yet; "
+            f"backends with a data-parallel engine: {having}")
 
 
 def size_warnings(workloads: list[Workload], limit: Optional[int], inference_only: bool) -> list[str]:
