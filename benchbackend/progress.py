@@ -185,6 +185,7 @@ def summary_line(result: Any) -> str:
     inf = f"infer {statistics.median(passes):.3f}s" if passes else "infer n/a"
     c = cell.choice
     name = (cell.workload.name + (f" b{cell.workload.training.batch_size}" if cell.sweep else "")).strip()
-    head = f"{name:<10} {c.backend + ':' + c.mode + '/' + c.precision:<28} {result.device:<8} r{cell.repeat}"
+    many = f" x{c.replicas}" if c.replicas > 1 else ""  # as the cell's tag: one replica and N are two lines
+    head = f"{name:<10} {c.backend + ':' + c.mode + '/' + c.precision + many:<28} {result.device:<8} r{cell.repeat}"
     tail = f"  {result.message}" if result.message and result.status != "ok" else ""
     return f"{head}  {result.status:<16} {epoch}  {acc}  {inf}{tail}"

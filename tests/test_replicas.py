@@ -77,6 +77,8 @@ def test_the_csv_records_replicas_and_an_unavailable_row_says_why(monkeypatch, t
     assert set(raw["replicas"]) == {"1", "2"} and set(raw["scale_lr"]) == {"none"}
     two = raw[raw["replicas"] == "2"]
     assert two["phase"].tolist() == ["run"] and two["status"].tolist() == ["unavailable"]
+    # The end-of-run summary names the two cells apart, as their log lines do.
+    assert "numpy:reference/fp32 x2" in got.output and "numpy:reference/fp32    " in got.output
     said = two["message"].iloc[0]
     # It names every backend that has an engine (the registry's, not a fixed list).
     assert "not implemented for this backend yet" in said and said.endswith(
