@@ -151,6 +151,9 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     from . import plan as planning
     from . import resume as resuming
 
+    if inference_only and max(replica_counts, default=1) > 1:
+        raise UsageFailure(f"--replicas {max(replica_counts)} trains data-parallel replicas and --inference-only "
+                           "trains nothing (inference runs on one device): leave out one of them")
     try:
         loaded = planning.load_workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed)
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]

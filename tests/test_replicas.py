@@ -55,6 +55,15 @@ def test_a_batch_that_does_not_split_is_one_line_and_exit_2(tmp_path):
     assert not out.exists()  # nothing ran
 
 
+def test_replicas_with_inference_only_is_one_line_and_exit_2(tmp_path):
+    # Inference runs on replica 0 alone: an "x2" inference cell would time one device under N's name.
+    out = tmp_path / "r.csv"
+    result = CliRunner().invoke(main, ["run", "mnist", "-b", "numpy", "--replicas", "2", "--inference-only",
+                                       "--data", "synthetic", "-o", str(out)])
+    assert "--replicas 2 trains data-parallel replicas and --inference-only trains nothing" in one_line_error(result)
+    assert not out.exists()
+
+
 def test_replicas_are_a_matrix_dimension_and_a_backend_without_an_engine_is_unavailable():
     choices = plan.with_replicas(plan.resolve(["numpy", "torch"], [], ["fp32"]), [1, 2])
     assert [(c.backend, c.replicas) for c in choices] == [("numpy", 1), ("numpy", 2), ("torch", 1), ("torch", 2)]
