@@ -52,18 +52,6 @@ def _run(tmp_path: Path, plan: planning.RunPlan, executor) -> list:
     return runner.Runner(plan, executor, results.CsvWriter(tmp_path / "out.csv")).run()
 
 
-def _node_of(ray_worker_pid: int, cluster):
-    """The cluster node whose raylet started the Ray worker ``ray_worker_pid``."""
-    import psutil
-    from ray._private import ray_constants
-
-    raylet = psutil.Process(ray_worker_pid).ppid()
-    for node in cluster.worker_nodes:
-        if node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid == raylet:
-            return node
-    raise AssertionError(f"no worker node's raylet is {raylet}")
-
-
 @pytest.mark.parametrize("retries", [0, 1])
 def test_a_node_removed_mid_cell_costs_that_cell_only(nodes, tmp_path, monkeypatch, retries):
     mark = tmp_path / "stalled"
@@ -82,7 +70,7 @@ def test_a_node_removed_mid_cell_costs_that_cell_only(nodes, tmp_path, monkeypat
         deadline = time.monotonic() + 240
         while not (mark.exists() and mark.read_text()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        node = _node_of(int(mark.read_text()), nodes)
+        node = scale.node_of(int(mark.read_text()), nodes)
         nodes.remove_node(node, allow_graceful=False)
         removed.append(node)
 

@@ -135,7 +135,7 @@ def test_a_node_lost_mid_cell_crashes_that_cell_and_keeps_every_row_written(two_
         deadline = time.monotonic() + 240
         while not mark.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        node = _node_of(int(mark.read_text()), two_nodes)
+        node = scale.node_of(int(mark.read_text()), two_nodes)
         two_nodes.remove_node(node, allow_graceful=False)
         removed.append(node)
 
@@ -182,15 +182,3 @@ def test_ctrl_c_stops_the_replicas_and_gives_their_nodes_back(two_nodes, tmp_pat
         assert time.monotonic() < deadline, "the interrupted replicas still hold their nodes"
         time.sleep(0.2)
     assert {pg["state"] for pg in ray.util.placement_group_table().values()} <= {"REMOVED"}
-
-
-def _node_of(ray_worker_pid: int, cluster):
-    """The cluster node whose raylet started the Ray worker ``ray_worker_pid``."""
-    import psutil
-    from ray._private import ray_constants
-
-    raylet = psutil.Process(ray_worker_pid).ppid()
-    for node in cluster.worker_nodes:
-        if node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid == raylet:
-            return node
-    raise AssertionError(f"no worker node's raylet is {raylet}")

@@ -138,13 +138,16 @@ class KerasBackend(Backend):
     def to_device(self, x: np.ndarray) -> Any:
         return self._put(np.ascontiguousarray(x, np.float32))
 
+    def epoch_arrays(self, order: np.ndarray) -> tuple[Any, Any]:
+        """The training arrays in the epoch's ``order``: one gather on the device where they live there."""
+        if self.data_on_device:
+            idx = keras.ops.convert_to_tensor(np.asarray(order, np.int32))
+            return keras.ops.take(self.x, idx, axis=0), keras.ops.take(self.y, idx, axis=0)
+        return self.x[order], self.y[order]
+
     def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
         assert self.model is not None
-        if self.data_on_device:  # one gather per epoch, on the device
-            idx = keras.ops.convert_to_tensor(np.asarray(order, np.int32))
-            x, y = keras.ops.take(self.x, idx, axis=0), keras.ops.take(self.y, idx, axis=0)
-        else:
-            x, y = self.x[order], self.y[order]
+        x, y = self.epoch_arrays(order)
         history = self.model.fit(_Batches((x, y), self.workload.training.batch_size), epochs=1, shuffle=False,
                                  verbose=0)
         # Keras' epoch loss and accuracy are means over samples (each batch weighted by its size).

@@ -157,11 +157,7 @@ class KerasJaxDataParallelBackend(KerasJaxBackend):
     # --- training -------------------------------------------------------------------------------
     def train_epoch(self, order: np.ndarray) -> tuple[float, float]:
         assert self.model is not None
-        if self.data_on_device:  # one gather per epoch, on the device
-            idx = keras.ops.convert_to_tensor(np.asarray(order, np.int32))
-            x, y = keras.ops.take(self.x, idx, axis=0), keras.ops.take(self.y, idx, axis=0)
-        else:
-            x, y = self.x[order], self.y[order]
+        x, y = self.epoch_arrays(order)
         bs, n = self.workload.training.batch_size, len(order)
         last = n % bs  # the short last batch's samples (0: there is none)
         padded_last = last if last % self.world else 0

@@ -59,3 +59,15 @@ def simulated_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def node_of(ray_worker_pid: int, cluster):
+    """The cluster node whose raylet started the Ray worker ``ray_worker_pid``."""
+    import psutil
+    from ray._private import ray_constants
+
+    raylet = psutil.Process(ray_worker_pid).ppid()
+    for node in cluster.worker_nodes:
+        if node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid == raylet:
+            return node
+    raise AssertionError(f"no worker node's raylet is {raylet}")
