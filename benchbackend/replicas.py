@@ -25,7 +25,8 @@
 - On a CPU the cell's cores (``--threads``, default all) are split between the replicas
   (:func:`threads_per_replica`); the ``threads`` column records threads per replica.
 - Timing: replica 0 runs in the cell's worker and reports the rows; an epoch's time is the wall
-  time until every replica has finished its last step (the epoch's totals are all-reduced).
+  time until every replica has finished its last step (the epoch's totals are all-reduced). The
+  passes replica 0 runs alone (forward parity, validation, inference) use all the cell's threads.
 
 Nothing here imports a framework: the plan, the CLI, the reference and the adapters share it.
 """

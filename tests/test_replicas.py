@@ -176,11 +176,46 @@ def test_batchnorm_uses_per_replica_statistics_and_the_reference_does_too(tmp_pa
 
 # The traps: each is a plausible data-parallel bug, planted in the real adapter.
 try:
+    import torch
     import torch.distributed as dist
 
     from benchbackend.backends.torch_ddp import TorchDDPBackend
 except ImportError:  # torch absent: the tests that use them skip
     TorchDDPBackend = object
+
+
+class ThreadsSeen(TorchDDPBackend):
+    """The honest adapter, noting replica 0's intra-op threads in each phase (the cell runs in this process)."""
+
+    seen: list = []
+
+    def scores(self, x, batch_size):
+        out = super().scores(x, batch_size)
+        ThreadsSeen.seen.append(("alone", torch.get_num_threads()))
+        return out
+
+    def _epoch(self, order):
+        ThreadsSeen.seen.append(("training", torch.get_num_threads()))
+        return super()._epoch(order)
+
+    def _steps(self, batches):
+        ThreadsSeen.seen.append(("training", torch.get_num_threads()))
+        return super()._steps(batches)
+
+
+@requires_torch
+@pytest.mark.slow
+def test_replica_0_trains_on_its_share_of_the_threads_and_runs_inference_alone_on_all_of_them(tmp_path):
+    # Two replicas of one thread each: replica 0 trains on 1 thread, while the passes it runs alone
+    # (parity, validation, inference) get both, as one device would: an "x2" inference is not half a CPU.
+    ThreadsSeen.seen.clear()
+    status, message, rows = _cell(tmp_path, _workload(), 2, target="ThreadsSeen")
+    assert status == "ok", message
+    phases = {phase for phase, _ in ThreadsSeen.seen}
+    assert phases == {"alone", "training"}
+    assert {n for phase, n in ThreadsSeen.seen if phase == "training"} == {1}
+    assert {n for phase, n in ThreadsSeen.seen if phase == "alone"} == {2}
+    assert {r["threads"] for r in rows if r.get("threads") is not None} <= {1}  # the column: per replica
 
 
 def _allreduce_sum(state, bucket):

@@ -82,6 +82,10 @@ class TorchDDPBackend(TorchBackend):
         self.peers: list[tuple[Any, Any]] = []  # (process, command pipe) of replicas 1..N-1, on replica 0
         self._weights: list[np.ndarray] = []
         self._comm: Optional[_CommClock] = None  # set when the timing hook is registered (``_hook``)
+        #: Replica 0's share of the cell's CPU threads (it trains on it), when it alone runs the passes
+        #: between training steps on all of them (``_threads_for``); None where that does not apply.
+        self._share = (torch.get_num_threads() if self.world > 1 and self.rank == 0 and not self.rendezvous
+                       and self.device.type == "cpu" else None)
         if self.rendezvous:
             _exit_with_parent()
 
@@ -111,19 +115,41 @@ class TorchDDPBackend(TorchBackend):
             self._start()
 
     def train_epoch(self, order: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        self._threads_for(training=True)  # a no-op after ``barrier``, which did it outside the clock
         self._tell("epoch", order)
         return self._epoch(order)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        self._threads_for(training=True)
         batches = [(np.asarray(x), np.asarray(y)) for x, y in batches]
         self._tell("steps", batches)
         return self._steps(batches)
+
+    def scores(self, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+        self._threads_for(training=False)
+        return super().scores(x, batch_size)
+
+    def _threads_for(self, training: bool) -> None:
+        """Replica 0, which started the others and drives them, trains on its share of the cell's
+        threads; the passes it runs alone (forward parity, validation, inference) while the others
+        wait for its next command get every thread of the cell, as TensorFlow's and JAX's replica 0
+        does in their shared pool. So an N-replica cell's inference is one device on the whole CPU,
+        comparable with the single replica's, not one replica on 1/N of it. The switch happens
+        when the phase changes, never inside a timed pass (``barrier`` makes it before an epoch's
+        clock); Ray Train's replicas each run the whole cell on their own CPUs and keep theirs."""
+        if self._share is None:
+            return
+        want = self._share if training else self._share * self.world
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def barrier(self) -> None:
         """Wait until every replica has come here. The worker calls it just before an epoch's
         clock: replicas that each run the whole cell (Ray Train's) reach an epoch after untimed
         work (validation, parity) that one may finish later than another, and rank 0's clock must
-        not count that wait. Here, replica 0 starts the others' epochs itself: nothing to wait for."""
+        not count that wait. Here, replica 0 starts the others' epochs itself: nothing to wait for,
+        but its training share of the threads is set here, outside the clock."""
+        self._threads_for(training=True)
         if self.rendezvous and dist.is_initialized():
             dist.barrier()
 
