@@ -130,10 +130,19 @@ def render(probe_devices: bool = True, refresh: bool = False,
         lines.append(f"  {'':<11} {s.description}{'' if s.trains else ' (inference only)'}")
     lines += ["", "Modes (the first is the default) and precisions:"]
     for s in specs:
-        lines.append(f"  {s.name:<11} precisions: {', '.join(s.precisions)}")
+        lines.append(f"  {s.name:<11} precisions: {', '.join(s.precisions)}{_data_parallel(s)}")
         for m in s.modes:
             lines.append(f"  {'':<13}{m.name:<16} {m.description}")
     return "\n".join(lines)
+
+
+def _data_parallel(s: backends.BackendSpec) -> str:
+    """Whether ``--replicas N`` trains on the backend's own engine, and across Ray nodes (README "Data parallel")."""
+    if not s.trains:
+        return ""
+    if not s.capabilities.replicas:
+        return "; --replicas N: no data-parallel engine"
+    return "; --replicas N: yes" + (", across Ray nodes too" if s.capabilities.ray_train else ", on one machine")
 
 
 def markdown_table() -> str:

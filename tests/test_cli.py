@@ -46,6 +46,12 @@ def test_list_shows_workloads_and_backends():
     assert "cifar10" in result.output and "2,168,362 params" in result.output
     for name in ("numpy", "torch", "tensorflow", "plaidml"):
         assert name in result.output
+    # Which backends train --replicas N, read from the registry (an inference runtime says nothing).
+    lines = {line.split()[0]: line for line in result.output.splitlines() if "precisions:" in line}
+    assert lines["torch"].endswith("--replicas N: yes, across Ray nodes too")
+    assert lines["jax"].endswith("--replicas N: yes, on one machine")
+    assert lines["numpy"].endswith("--replicas N: no data-parallel engine")
+    assert "--replicas" not in lines["onnxruntime"]
 
 
 def test_python_dash_m_works():
