@@ -8,6 +8,7 @@ No ML framework is imported here.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -176,6 +177,9 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
             where = outputs.Outputs(resume_from, outputs.plots_folder(resume_from) if plots else None)
         for warning in planning.size_warnings(loaded, limit, inference_only):
             _err(f"warning: {warning}")
+        if executor_name == "local":  # a Ray node's cores are not this machine's
+            for warning in replicas.oversubscribed(replica_counts, threads, device, os.cpu_count()):
+                _err(f"warning: {warning}")
     except (OutputError, WorkloadError, ResultsError) as exc:
         raise UsageFailure(str(exc)) from None
     if where.note:

@@ -80,6 +80,18 @@ def threads_per_replica(threads: Optional[int], replicas: int) -> Optional[int]:
     return max(1, (threads or os.cpu_count() or 1) // replicas)
 
 
+def oversubscribed(replicas: Sequence[int], threads: Optional[int], device: str, cores: Optional[int]) -> list[str]:
+    """What a CPU run of more replicas than threads makes doubtful, said before it starts: each
+    replica still gets a thread (:func:`threads_per_replica`), so they contend for the cores and the
+    efficiency measures that contention."""
+    budget = threads or cores or 1
+    many = [n for n in dict.fromkeys(replicas) if n > budget]
+    if device != "cpu" or not many:
+        return []
+    return [f"--replicas {n} on {budget} CPU threads: each replica still takes one, so {n} threads contend for "
+            f"{budget} and the scaling measures that contention" for n in many]
+
+
 def scaled(workload: Any, replicas: int, scale_lr: str, scaling: str = "strong") -> Any:
     """The workload as the replicas train it: its learning rate times N under ``--scale-lr linear``,
     its (global) batch times N under ``--scaling weak``. The rows keep the workload's own definition

@@ -41,6 +41,15 @@ def test_threads_are_split_between_replicas():
     assert replicas.threads_per_replica(4, 2) == 2 and replicas.threads_per_replica(2, 4) == 1
 
 
+def test_more_replicas_than_threads_on_a_cpu_is_said_before_the_run():
+    assert replicas.oversubscribed([1, 2], None, "cpu", 2) == []
+    assert replicas.oversubscribed([1, 2, 4], None, "cpu", 2) == [
+        "--replicas 4 on 2 CPU threads: each replica still takes one, so 4 threads contend for 2 and the scaling "
+        "measures that contention"]
+    assert len(replicas.oversubscribed([4], 8, "cpu", 2)) == 0  # --threads is the budget
+    assert replicas.oversubscribed([4], None, "gpu", 2) == []  # one GPU per replica
+
+
 def test_scale_lr_linear_multiplies_the_lr_only_when_asked():
     w = workload.load("mnist")
     assert replicas.scaled(w, 4, "none") is w and replicas.scaled(w, 1, "linear") is w
