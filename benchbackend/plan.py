@@ -234,11 +234,9 @@ def with_replicas(choices: list[Choice], replicas: Sequence[int]) -> list[Choice
 def _no_replicas(spec: backends.BackendSpec, n: int) -> str:
     """Why ``spec`` gives no cell of ``n`` replicas, naming the backends that have an engine for them."""
     having = ", ".join(name for name, s in backends.BACKENDS.items() if s.capabilities.replicas)
-    if not spec.trains:
-        return (f"{spec.name}: --replicas {n} (data parallel) trains, and {spec.name} is an inference runtime; "
-                f"backends with a data-parallel engine: {having}")
-    return (f"{spec.name}: --replicas {n} (data parallel) is not implemented for this backend yet; "
-            f"backends with a data-parallel engine: {having}")
+    why = "is not implemented for this backend yet" if spec.trains else \
+        f"trains, and {spec.name} is an inference runtime"
+    return f"{spec.name}: --replicas {n} (data parallel) {why}; backends with a data-parallel engine: {having}"
 
 
 def size_warnings(workloads: list[Workload], limit: Optional[int], inference_only: bool) -> list[str]:

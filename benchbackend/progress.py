@@ -18,12 +18,19 @@ if TYPE_CHECKING:
     from .plan import Cell
 
 
-def tag(cell: "Cell") -> str:
-    """``[mnist/torch:eager/fp32 r1/3]`` (``... x2 r1/3`` for 2 replicas): how every line names its cell."""
+def _names(cell: "Cell") -> tuple[str, str]:
+    """(``mnist`` or ``mnist b128`` in a batch sweep, ``torch:eager/fp32`` or ``torch:eager/fp32 x2``
+    for 2 replicas): how the log lines and the summary name a cell's experiment and choice."""
     c = cell.choice
     sweep = f" b{cell.workload.training.batch_size}" if cell.sweep else ""
     many = f" x{c.replicas}" if c.replicas > 1 else ""
-    return f"[{cell.workload.name}{sweep}/{c.backend}:{c.mode}/{c.precision}{many} r{cell.repeat}/{cell.repeats}]"
+    return cell.workload.name + sweep, f"{c.backend}:{c.mode}/{c.precision}{many}"
+
+
+def tag(cell: "Cell") -> str:
+    """``[mnist/torch:eager/fp32 r1/3]`` (``... x2 r1/3`` for 2 replicas): how every line names its cell."""
+    name, choice = _names(cell)
+    return f"[{name}/{choice} r{cell.repeat}/{cell.repeats}]"
 
 
 def clock(seconds: float) -> str:
@@ -183,9 +190,7 @@ def summary_line(result: Any) -> str:
     acc = f"val_acc {result.val_accuracy:.3f}" if result.val_accuracy is not None else "val_acc n/a"
     passes = result.inference_seconds[1:] or result.inference_seconds
     inf = f"infer {statistics.median(passes):.3f}s" if passes else "infer n/a"
-    c = cell.choice
-    name = (cell.workload.name + (f" b{cell.workload.training.batch_size}" if cell.sweep else "")).strip()
-    many = f" x{c.replicas}" if c.replicas > 1 else ""  # as the cell's tag: one replica and N are two lines
-    head = f"{name:<10} {c.backend + ':' + c.mode + '/' + c.precision + many:<28} {result.device:<8} r{cell.repeat}"
+    name, choice = _names(cell)
+    head = f"{name:<10} {choice:<28} {result.device:<8} r{cell.repeat}"
     tail = f"  {result.message}" if result.message and result.status != "ok" else ""
     return f"{head}  {result.status:<16} {epoch}  {acc}  {inf}{tail}"
