@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import IO, TYPE_CHECKING, Any, Generator, Mapping, Optional, Protocol
 
+from . import machine
 from .backends.spec import BackendSpec, Capabilities
 from .messages import Heartbeat, Info, Message, Outcome, Peak, Row
 from .paths import PACKAGE_PARENT
@@ -115,6 +116,7 @@ def worker_environ(spec: BackendSpec, device: str = "cpu", threads: Optional[int
     if threads:
         env.update({var: str(threads) for var in THREAD_VARS})
     env.update(spec.env(device))
+    env[machine.DRIVER_ENV] = str(os.getpid())  # this run's processes are not another's load (machine.py)
     return env
 
 
@@ -242,6 +244,7 @@ def _parse(cell: "Cell", line: str, state: _State) -> Optional[Message]:
                     gpu=str(msg.get("gpu", "")), python=str(msg.get("python", "")), threads=msg.get("threads"),
                     math_mode=str(msg.get("math_mode", "")),
                     data_on_device=None if msg.get("data_on_device") is None else bool(msg["data_on_device"]),
+                    machine={k: v for k, v in (msg.get("machine") or {}).items() if k in machine.CELL_COLUMNS},
                     environment={k: str(msg[k]) for k in ("host", "os", "cpu") if msg.get(k)})
     if kind == "peak":
         return Peak(cell, float(msg["flops"]), str(msg.get("source", "")), str(msg.get("cache_key", "")))

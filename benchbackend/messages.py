@@ -49,12 +49,15 @@ class Info:
     #: The data placement rule the cell followed (``Backend.place_data``): its arrays on the device
     #: before the clock (True) or each batch copied inside it (False); None from an older worker.
     data_on_device: Optional[bool] = None
+    #: The machine as the cell started (``machine.cell_readings``): load average, CPU clock, the GPU's
+    #: other processes and clock; each None where not measured.
+    machine: Mapping[str, Optional[float]] = field(default_factory=dict)
 
     def columns(self) -> dict[str, Any]:
         """The CSV columns this fills on every later row of the cell."""
         return {"backend_version": self.backend_version, "device": self.device, "gpu": self.gpu,
                 "python": self.python, "threads": self.threads, "math_mode": self.math_mode,
-                "data_on_device": self.data_on_device, **self.environment}
+                "data_on_device": self.data_on_device, **self.machine, **self.environment}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from .errors import ResultsError
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 #: Fixed columns, in this order; see README "CSV columns".
 BASE_COLUMNS = [
@@ -59,7 +59,12 @@ EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "f
                  "data_on_device", "peak_device_mb",
                  # schema 7: data-parallel replicas and --scale-lr (``replicas``; older: 1, none); schema 8:
                  # --scaling (weak: ``batch_size`` per replica; older: strong), an epoch's communication s.
-                 "replicas", "scale_lr", "scaling", "comm_s"]
+                 "replicas", "scale_lr", "scaling", "comm_s",
+                 # schema 9: the machine (``machine.py``): the share of the cell's cores other processes
+                 # held during a timed region and the throttling events in it (timed rows); the load
+                 # average, CPU clock, the GPU's other processes and clock as the cell started (every
+                 # row). Empty where not measured (older files, an OS without /proc).
+                 "foreign_cpu_share", "throttle_events", "load_avg", "cpu_mhz", "gpu_other_procs", "gpu_clock_mhz"]
 COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
@@ -74,7 +79,8 @@ NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "ac
            "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
            "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s",
            "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed", "pass", "attempt",
-           "peak_device_mb", "replicas", "comm_s"]
+           "peak_device_mb", "replicas", "comm_s", "foreign_cpu_share", "throttle_events", "load_avg", "cpu_mhz",
+           "gpu_other_procs", "gpu_clock_mhz"]
 #: The definition's fields as columns (schema 3), and the key of each in the ``definition`` text
 #: that older files carry (read once, when such a file is read: see ``_migrate``).
 DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch",
@@ -307,7 +313,9 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Rows of older schemas, as schema 8 says them (see ``EXTRA_COLUMNS``):
+    """Rows of older schemas, as schema 9 says them (see ``EXTRA_COLUMNS``):
+
+    - before 9, the machine was not watched: its columns are empty (not measured, never "quiet");
 
     - before 8, every replica cell scaled strongly: ``scaling`` strong (``comm_s`` empty: not recorded);
     - before 7, every cell ran one replica, its learning rate unscaled: ``replicas`` 1, ``scale_lr`` none;

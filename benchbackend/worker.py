@@ -59,15 +59,27 @@ def _load_arrays(path: str) -> dict[str, np.ndarray]:
 class Cell:
     """One repeat of one (workload, backend, mode, precision) inside this process."""
 
-    def __init__(self, backend: Any, workload: Any, arrays: dict[str, np.ndarray], emit: Emit):
+    def __init__(self, backend: Any, workload: Any, arrays: dict[str, np.ndarray], emit: Emit,
+                 cores: Optional[float] = None):
         self.backend, self.workload, self.arrays, self.emit = backend, workload, arrays, emit
         self.device_arrays: dict[str, Any] = {}
+        #: The cores the cell runs on (its threads x replicas), and what other processes did to them
+        #: during the last timed region (``machine``): the columns every timed row carries.
+        self.cores = cores
+        self.load: dict[str, Optional[float]] = {}
 
     def region(self, fn: Callable[[], Any], host: bool = True) -> tuple[Any, float]:
-        """Time ``fn`` up to a synced device, the result materialized on the host (if ``host``)."""
+        """Time ``fn`` up to a synced device, the result materialized on the host (if ``host``).
+        Outside the clock, on each side: a look at the machine (``self.load``)."""
+        from . import machine
         from .timing import timed_region
 
-        return timed_region(fn, self.backend.to_host if host else None, self.backend.sync)
+        throttled, start = machine.throttle_count(), machine.snapshot()
+        out = timed_region(fn, self.backend.to_host if host else None, self.backend.sync)
+        end, after = machine.snapshot(), machine.throttle_count()
+        self.load = {"foreign_cpu_share": machine.foreign_share(start, end, self.cores),
+                     "throttle_events": None if throttled is None or after is None else after - throttled}
+        return out
 
     def on_device(self, split: str) -> Any:
         if split not in self.device_arrays:
@@ -177,20 +189,22 @@ def run_job(job: Job, emit: Emit) -> None:
 
 
 def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
+    from . import machine
     from .errors import BackendUnavailable
     from .model import initial_weights, param_count
     from .results import canonical_device, environment
 
     arrays = _load_arrays(job.data)
     weights = initial_weights(workload, job.repeat)
-    cell = Cell(backend, workload, arrays, emit)
+    threads = _threads(backend, job)
+    device = canonical_device(backend.device_id())
+    cell = Cell(backend, workload, arrays, emit, cores=(threads or os.cpu_count() or 1) * job.options.replicas)
     base: dict[str, Any] = {"type": "row"}
     on_device = bool(backend.place_data(cell.placed_bytes(job.trains)))
-    emit({"type": "info", **environment(), "backend_version": backend.version(),
-          "device": canonical_device(backend.device_id()),
+    emit({"type": "info", **environment(), "backend_version": backend.version(), "device": device,
           "mode": backend.mode, "precision": backend.precision, "gpu": backend.gpu_name(),
-          "python": platform.python_version(), "threads": _threads(backend, job), "math_mode": backend.math_mode(),
-          "data_on_device": on_device})
+          "python": platform.python_version(), "threads": threads, "math_mode": backend.math_mode(),
+          "data_on_device": on_device, "machine": machine.cell_readings(device)})
 
     def build_and_place() -> int:
         params = backend.build(weights)
@@ -209,7 +223,7 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
     notes = [f"{k} {v}" for k, v in backend.details().items()]
     if not on_device:
         notes.append(f"data copied per batch inside the clock: {backend.data_note}")
-    emit({**base, "phase": "build", "seconds": seconds, "params": params, **_memory(backend),
+    emit({**base, "phase": "build", "seconds": seconds, "params": params, **_memory(backend), **cell.load,
           "notes": "; ".join(notes)})
     peak = _peak(backend, job)
     if peak is not None:
@@ -217,7 +231,7 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
         backend.reset_device_peak()  # the probe's matrices are not the cell's
     summary, seconds = cell.region(backend.tune, host=False)
     if summary is not None:
-        emit({**base, "phase": "tune", "seconds": seconds, "notes": summary})
+        emit({**base, "phase": "tune", "seconds": seconds, "notes": summary, **cell.load})
 
     parity_steps = job.parity_steps if job.trains else 0
     _parity(cell, weights, parity_steps, base, job.trains, job.options.replicas)
@@ -238,7 +252,7 @@ def _infer(cell: Cell, base: dict[str, Any]) -> None:
         scores, seconds = cell.predict()
         cell.emit({**base, "phase": "inference", "pass": i, "samples": len(labels), "seconds": seconds,
                    "samples_per_s": len(labels) / seconds if seconds > 0 else None,
-                   "accuracy": accuracy(np.asarray(scores), labels), **_memory(cell.backend)})
+                   "accuracy": accuracy(np.asarray(scores), labels), **_memory(cell.backend), **cell.load})
 
 
 def _train(cell: Cell, base: dict[str, Any]) -> bool:
@@ -252,6 +266,7 @@ def _train(cell: Cell, base: dict[str, Any]) -> bool:
     for epoch, order in enumerate(arrays["orders"][: workload.training.epochs], start=1):
         backend.barrier()  # replicas that each run the whole cell line up outside the clock
         (loss, acc), seconds = cell.region(lambda: backend.train_epoch(order))
+        load = cell.load  # the epoch's, before validation (untimed) runs
         comm = backend.comm_seconds()
         loss, acc = float(loss), float(acc)
         finite = bool(np.isfinite(loss))
@@ -259,7 +274,7 @@ def _train(cell: Cell, base: dict[str, Any]) -> bool:
         cell.emit({**base, "phase": "train_epoch", "epoch": epoch, "samples": n_train, "seconds": seconds,
                    "samples_per_s": n_train / seconds if seconds > 0 else None, "loss": loss, "accuracy": acc,
                    "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": n_val, "steps": steps,
-                   "comm_s": comm, **_memory(backend)})
+                   "comm_s": comm, **_memory(backend), **load})
         if not finite:
             return False
     return True

@@ -28,7 +28,13 @@ def _run(monkeypatch, tmp_path: Path, *args: str) -> Path:
 def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp_path):
     path = _run(monkeypatch, tmp_path, "--epochs", "2", "--parity-steps", "2", "--batch-size", "50")
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)  # as a user reads it, no benchbackend
-    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 8
+    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 9
+    # Schema 9: every timed row says how much of the cell's cores other processes held (a share),
+    # every row the load average as the cell started; the rows that time nothing say nothing.
+    timed = raw[raw["phase"].isin(["build", "train_epoch", "inference"])]
+    assert timed["foreign_cpu_share"].astype(float).between(0, 1).all()
+    assert set(raw.loc[raw["phase"] == "parity", "foreign_cpu_share"]) == {""}
+    assert (raw.loc[raw["phase"] != "run", "load_avg"].astype(float) >= 0).all()
     # Schema 5: one attempt per cell here, and the arrays every row was measured on.
     assert set(raw["attempt"]) == {"1"} and set(raw["data_origin"]) == {"local"}
     # Schema 6: the data placement rule on every row (a CPU holds every array); the device's peak
