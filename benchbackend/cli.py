@@ -86,8 +86,9 @@ def main() -> None:
               help="Training and inference batch size (repeatable: a sweep, each size its own experiment).")
 @click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True),
               help="Peak of this device for MFU, instead of each framework's GEMM probe (cached per host/CPU).")
-@click.option("--threads", type=click.IntRange(1), help="Intra-op threads for every backend (OpenMP/MKL too). "
-                                                         "Default: all cores. Recorded in the `threads` column.")
+@click.option("--threads", "thread_counts", multiple=True, type=click.IntRange(1), metavar="N",
+              help="Intra-op threads for every backend (OpenMP/MKL too); repeatable: a sweep, each count its own "
+                   "experiment, never pooled. Default: all cores. Recorded in the `threads` column.")
 @click.option("--inference-only", is_flag=True, help="Skip training: build, shared weights, parity, inference passes.")
 @click.option("--steps-per-execution", type=click.IntRange(1), default=32, show_default=True,
               help="Training steps per dispatch for modes that batch them (jax:scan).")
@@ -130,7 +131,8 @@ def main() -> None:
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
         replica_counts: tuple[int, ...], scale_lr: str, scaling: str, device: str, repeats: int, epochs: Optional[int],
         limit: Optional[int], seed: Optional[int], data_source: str,
-        data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float], threads: Optional[int],
+        data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float],
+        thread_counts: tuple[int, ...],
         inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
         executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
         wait_for_nodes: float, retries: int, parity_steps: int, order: str, output: Optional[Path], force: bool,
@@ -143,12 +145,13 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run cifar10 mnist -b torch -b tensorflow --repeats 3 --epochs 2 --limit 2000 --data synthetic
       benchbackend run cifar10 -b torch --mode torch:eager --precision fp32 --precision bf16
       benchbackend run cifar10 -b torch -b tensorflow --batch-size 32 --batch-size 128
+      benchbackend run mnist -b torch -b tensorflow --threads 1 --threads 2 --data synthetic
       benchbackend run cifar10 -b torch --replicas 1 --replicas 2 --parity-steps 10 --data synthetic
       benchbackend run mnist -b torch -b numpy --executor ray --address head:6379 --retries 1
       benchbackend run path/to/my_workload.yaml -b tensorflow
       benchbackend run mnist -b torch -b tensorflow --repeats 5 --resume results/interrupted.csv
     """
-    from . import epilogue, executors, outputs, progress, replicas, results, runner
+    from . import epilogue, executors, machine, outputs, progress, replicas, results, runner
     from . import plan as planning
     from . import resume as resuming
 
@@ -159,7 +162,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         loaded = planning.load_workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed)
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
-        choices = planning.with_replicas(planning.resolve(names, list(modes), list(precisions), device), replica_counts)
+        choices = planning.with_threads(planning.with_replicas(
+            planning.resolve(names, list(modes), list(precisions), device), replica_counts), thread_counts)
         replicas.check_batches(loaded, replica_counts, scaling)
         if executor_name == "local":
             registry.require_any(names)  # a cluster's nodes may have what this machine lacks
@@ -178,8 +182,12 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         for warning in planning.size_warnings(loaded, limit, inference_only):
             _err(f"warning: {warning}")
         if executor_name == "local":  # a Ray node's cores are not this machine's
-            for warning in replicas.oversubscribed(replica_counts, threads, device, os.cpu_count()):
-                _err(f"warning: {warning}")
+            for threads in thread_counts or (None,):
+                for warning in replicas.oversubscribed(replica_counts, threads, device, os.cpu_count()):
+                    _err(f"warning: {warning}")
+            busy = machine.busy_warning()
+            if busy:
+                _err(f"warning: {busy}")
     except (OutputError, WorkloadError, ResultsError) as exc:
         raise UsageFailure(str(exc)) from None
     if where.note:
@@ -189,7 +197,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         writer = results.CsvWriter(out)
     except OSError as exc:
         raise UsageFailure(f"{out}: cannot write results: {exc.strerror}") from None
-    options = planning.Options(threads=threads, steps_per_execution=steps_per_execution, tune_trials=tune_trials,
+    options = planning.Options(steps_per_execution=steps_per_execution, tune_trials=tune_trials,
                              peak_tflops=peak_tflops, scale_lr=scale_lr, scaling=scaling)
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
@@ -245,7 +253,9 @@ def list_(no_probe: bool, refresh: bool, markdown: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]), default="table",
               show_default=True)
 @click.option("--plots", type=click.Path(file_okay=False), help="Write PNG plots and an index.html to this folder.")
-@click.option("--skip-bad", is_flag=True, help="Skip unreadable or invalid files (with a warning) instead of failing.")
+@click.option("--skip-bad", is_flag=True,
+              help="Skip unreadable or invalid files (with a warning) instead of failing, and leave out the repeats "
+                   "timed while other processes held the machine (which otherwise withhold their group's verdicts).")
 @click.option("--metric", type=click.Choice(["epoch-time", "time-to-accuracy"]), default="epoch-time",
               show_default=True,
               help="What ranks the training table: the steady epoch time, or the time to accuracy (training seconds "
@@ -260,13 +270,14 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
     """Compare results: which backend is faster, by how much, whether it is significant, and correct.
 
     Rows are compared only within one experiment definition (workload hash: model, training, sizes
-    after --limit, epochs, batch, seed; data source; mode; precision). Several definitions of one
-    workload are separate sections, labelled by what differs, e.g. "mnist (limit 1024)".
+    after --limit, epochs, batch, seed; data source; threads; mode; precision). Several definitions of
+    one workload are separate sections, labelled by what differs, e.g. "mnist (limit 1024)".
     Each "vs BASELINE" cell is the speed-up BASELINE's time / this time (>1: faster) with its 95% CI
-    (Welch's t on log per-repeat times); "faster"/"slower" only where the CI leaves 1 out. Only ok
-    repeats feed the timings. MFU (achieved FLOP/s over the recorded peak) is shown beside
-    throughput; a --batch-size sweep gives one section per batch size and a throughput-vs-batch
-    figure with --plots.
+    (Welch's t on log per-repeat times); "faster"/"slower" only where the CI leaves 1 out, none where
+    it spans 1000x or more ("too few repeats", "unstable"), and none where other processes held the
+    machine while either side was timed ("no verdict (machine busy)"). Only ok repeats feed the
+    timings. MFU (achieved FLOP/s over the recorded peak) is shown beside throughput; a --batch-size
+    sweep gives one section per batch size and a throughput-vs-batch figure with --plots.
 
     \b
     Examples:

@@ -46,6 +46,10 @@ EXIT_CANDIDATE_FAILED = 4
 #: The correctness oracle: the default baseline only when nothing else passed its checks.
 REFERENCE_BACKEND = "numpy"
 NOT_REACHED = "not ranked (target not reached)"
+#: The verdict of a group whose (or whose baseline's) timed repeats other processes made busy.
+BUSY = "no verdict (machine busy)"
+#: Verdicts that say nothing either way: a busy machine, or an interval too wide to read (``stats``).
+WITHHELD = (BUSY, "too few repeats", "unstable")
 
 
 @dataclass
@@ -186,7 +190,7 @@ def rank(summary_: summary.Summary, baseline: Optional[str] = None,
                       key=lambda item: tuple(summary.natural_key(part) for part in item[0]))
     for ctx, frame in contexts:
         base = _pick_baseline(frame, baseline, experiments.context_name(ctx), warnings, metric)
-        fastest = {p: _fastest(frame, col) for p, col in measures}
+        fastest = {p: _fastest(frame, col, p) for p, col in measures}
         for key in _keys(frame):
             order.append(key.index)
             row = groups.loc[key.index]
@@ -197,6 +201,9 @@ def rank(summary_: summary.Summary, baseline: Optional[str] = None,
                 r = (stats.compare_times(summary_.samples(base, col), summary_.samples(key, col))
                      if base is not None and key != base and summary.is_ok(row["status"]) else None)
                 verdict, text = _verdict(r, key, base, row, prefix == "train" and missed)
+                busy = _busy(groups, key, base, prefix) if r is not None else ""
+                if busy:
+                    verdict, text = BUSY, busy
                 new[f"{prefix}_ratio"].append(r.ratio if r else math.nan)
                 new[f"{prefix}_ratio_low"].append(r.low if r else math.nan)
                 new[f"{prefix}_ratio_high"].append(r.high if r else math.nan)
@@ -209,10 +216,28 @@ def rank(summary_: summary.Summary, baseline: Optional[str] = None,
     return groups, warnings
 
 
-def _fastest(frame: pd.DataFrame, col: str) -> Optional[GroupKey]:
-    """The fastest group among the correct ones (every repeat ``ok``), or None."""
-    ok = frame[(frame["status"] == "ok") & frame[col].notna()]
+def _fastest(frame: pd.DataFrame, col: str, prefix: str) -> Optional[GroupKey]:
+    """The fastest group among the correct ones (every repeat ``ok``) that the machine left alone,
+    or None: a group timed beside other processes is no one's fastest (see :func:`_busy`)."""
+    ok = frame[(frame["status"] == "ok") & frame[col].notna() & (frame[f"{prefix}_busy"] == 0)]
     return GroupKey.of(ok[col].idxmin()) if len(ok) else None
+
+
+def _busy(groups: pd.DataFrame, key: GroupKey, base: Optional[GroupKey], prefix: str) -> str:
+    """Why the verdict of ``key`` against ``base`` on ``prefix`` (train, infer) is withheld: other
+    processes held more than ``machine.BUSY_SHARE`` of the cores during some of either side's timed
+    repeats. Such load slows frameworks unequally (torch's spinning threads far more than
+    TensorFlow's), so no ratio between the two says which is faster. "" when neither was busy."""
+    for who, k in (("", key), ("the baseline: ", base)):
+        if k is None:
+            continue
+        row = groups.loc[k.index]
+        n = int(row[f"{prefix}_busy"])
+        if n:
+            total = int(row["steady_n" if prefix == "train" else "infer_n"])
+            return (f"{who}machine busy during {n} of {total} repeat{'s' if total != 1 else ''} "
+                    f"({row[f'{prefix}_busy_share']:.0%} of the cores held by other processes): no verdict")
+    return ""
 
 
 def _is_candidate(key: tuple, row: pd.Series, candidate: tuple[str, ...]) -> bool:
@@ -251,7 +276,11 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
             ratio = row[f"{prefix}_ratio"]
             if not ratio > 0 or 1 / ratio <= factor:
                 continue
-            if row[f"{prefix}_verdict"] == "slower":
+            if row[f"{prefix}_verdict"] in WITHHELD:
+                out.append(f"possible regression, verdict withheld: {group_name(groups, key)} {what} is "
+                           f"{1 / ratio:.2f}x slower than {row['baseline']} (limit {factor:g}x; "
+                           f"{row[f'{prefix}_text']})")
+            elif row[f"{prefix}_verdict"] == "slower":
                 out.append(f"regression: {group_name(groups, key)} {what} is {1 / ratio:.2f}x slower than "
                            f"{row['baseline']} (limit {factor:g}x; {row[f'{prefix}_text']})")
                 code = code or EXIT_REGRESSION
@@ -283,13 +312,13 @@ def _check_metric(metric: str, df: Optional[pd.DataFrame] = None) -> None:
 
 def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ...],
              fail_on_regression: Optional[float], notes: list[str],
-             metric: str = "epoch-time") -> tuple[pd.DataFrame, list[str], int]:
+             metric: str = "epoch-time", skip_busy: bool = False) -> tuple[pd.DataFrame, list[str], int]:
     if fail_on_regression is not None and not fail_on_regression >= 1:
         raise ResultsError(f"the regression factor must be at least 1; got {fail_on_regression!r}")
     _check_measured(df)
     _check_metric(metric, df)
     df = experiments.with_experiment(df)
-    reduced = summary.summarize(df)
+    reduced = summary.summarize(df, skip_busy)
     keys = _keys(reduced.groups)
     for name in candidate:
         if not any(k.matches(name) for k in keys):
@@ -306,11 +335,12 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
 def report_warnings(groups: pd.DataFrame, df: pd.DataFrame, ranking: list[str], notes: list[str],
                     metric: str = "epoch-time") -> list[str]:
     """Every warning of one comparison, in the order they are shown: ``notes`` (skipped files),
-    the baseline's (``ranking``, from :func:`rank`), stability, environments, failed groups with
+    the baseline's (``ranking``, from :func:`rank`), a busy machine, stability, implausible figures,
+    environments, failed groups with
     their run rows' reasons. The one list that ``compare`` prints, that ``run`` ends with and that
     the report (index.html) holds."""
-    return (list(notes) + list(ranking) + caveats.stability_warnings(groups, metric)
-            + caveats.environment_warnings(df) + caveats.status_warnings(groups))
+    return (list(notes) + list(ranking) + caveats.busy_warnings(groups) + caveats.stability_warnings(groups, metric)
+            + caveats.implausible_warnings(groups) + caveats.environment_warnings(df) + caveats.status_warnings(groups))
 
 
 def _check_format(fmt: str) -> None:
@@ -320,12 +350,13 @@ def _check_format(fmt: str) -> None:
 
 def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate: tuple[str, ...] = (),
                   fmt: str = "table", fail_on_regression: Optional[float] = None,
-                  notes: Optional[list[str]] = None, metric: str = "epoch-time") -> CompareOutcome:
+                  notes: Optional[list[str]] = None, metric: str = "epoch-time",
+                  skip_busy: bool = False) -> CompareOutcome:
     """Compare results already read (``results.read_many``, best through ``experiments.for_comparison``),
     e.g. right after a run; see :func:`run_compare` for the arguments."""
     _check_format(fmt)
     groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []),
-                                      metric)
+                                      metric, skip_busy)
     text = tables.render(groups, fmt, warnings, metric)
     return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df, groups=groups, metric=metric,
                           fmt=fmt)
@@ -338,9 +369,11 @@ def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tup
 
     ``fmt`` is table, markdown, csv or json. The outcome carries the rows and the terminal table,
     which ``report.write_report`` draws. ``skip_bad`` goes on without unreadable files (each becomes
-    a warning). ``fail_on_regression`` (a factor >= 1) sets exit_code 4 when a ``candidate``
-    (every non-baseline group when none is named) is not ok, else 3 when one is slower than the
-    baseline by more than that factor and significantly so, in training or inference.
+    a warning) and leaves out the repeats other processes made busy, as failed ones are (without
+    it, a group with such repeats gets no verdict: :func:`_busy`). ``fail_on_regression`` (a factor
+    >= 1) sets exit_code 4 when a ``candidate`` (every non-baseline group when none is named) is not
+    ok, else 3 when one is slower than the baseline by more than that factor and significantly so,
+    in training or inference.
     ``metric`` (``epoch-time`` or ``time-to-accuracy``) ranks the training table.
     Raises ResultsError for bad input: a bad file, files with no measurements, an unknown
     baseline or candidate, a bad format or metric, time to accuracy asked of files without it.
@@ -351,4 +384,4 @@ def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tup
     df = experiments.for_comparison(df)
     notes = [f"skipped {msg}" for msg in skipped]
     return compare_frame(df, baseline=baseline, candidate=candidate, fmt=fmt,
-                         fail_on_regression=fail_on_regression, notes=notes, metric=metric)
+                         fail_on_regression=fail_on_regression, notes=notes, metric=metric, skip_busy=skip_bad)

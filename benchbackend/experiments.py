@@ -28,7 +28,9 @@ REPEAT_KEYS = ["run_id", "repeat"]
 #: A group's mode for N replicas (:func:`group_mode`), read back by :func:`split_mode`.
 _REPLICA_MODE = re.compile(r"^(?P<mode>.*) x(?P<n>\d+)(?P<weak> weak)?$")
 LABEL_NAMES = {"limit": "limit", "epochs": "epochs", "batch_size": "batch", "inference_batch_size": "infer_batch",
-                "seed": "seed", "data_source": "data"}
+                "seed": "seed", "data_source": "data", "threads": "threads"}
+#: What names one definition: the workload's hash, its data, and the threads its cells ran on.
+DEFINITION_KEYS = ["workload", "workload_hash", "data_source", "threads"]
 
 
 @dataclass(frozen=True)
@@ -122,9 +124,9 @@ def with_experiment(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _fill_definition(frame: pd.DataFrame, run: list[pd.Series]) -> pd.DataFrame:
-    """A status row written before anything was known (a worker that died at once) joins the
-    definition of its run in its file, or the workload's only definition."""
-    for col in ("workload_hash", "data_source"):
+    """A status row written before anything was known (a worker that died at once, an unavailable
+    backend: no threads) joins the definition of its run in its file, or the workload's only one."""
+    for col in ("workload_hash", "data_source", "threads"):
         for by in (run, [frame["workload"]]):
             missing = frame[col] == ""
             if not missing.any():
@@ -145,7 +147,7 @@ def text(value: Any) -> str:
 def _fields(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """The readable fields of each definition: its definition columns, else (files before the
     definition was recorded) the sizes its rows show."""
-    cols = [c for c in LABEL_NAMES if c != "data_source"]
+    cols = [c for c in LABEL_NAMES if c not in keys]
     recorded = df[keys + cols].copy()
     recorded[cols] = recorded[cols].map(text)
     fields = recorded[recorded[cols].ne("").any(axis=1)].groupby(keys, sort=False)[cols].first()
@@ -181,8 +183,9 @@ def experiments(df: pd.DataFrame) -> pd.Series:
     several definitions of one workload name, e.g. ``mnist (limit 1024)`` and ``mnist (limit 2000)``
     (see the module docstring). Rows of a status with no hash or data source (old files) join the
     workload's only definition when it has one."""
-    keys = ["workload", "workload_hash", "data_source"]
-    frame = pd.DataFrame({k: df[k].astype(str) for k in keys}, index=df.index)
+    keys = DEFINITION_KEYS
+    frame = pd.DataFrame({k: df[k].astype(str) for k in keys[:3]}, index=df.index)
+    frame["threads"] = cell_threads(df)
     run = [frame["workload"]] + [df[c].astype(str) for c in ("source", "run_id") if c in df.columns]
     frame = _fill_definition(frame, run)
     defs = frame.drop_duplicates()
@@ -192,12 +195,24 @@ def experiments(df: pd.DataFrame) -> pd.Series:
     if len(multi):
         fields = _fields(df.assign(**{k: frame[k] for k in keys}), keys)
         for workload, sub in multi.groupby("workload", sort=False):
-            found = {key: {**(fields.loc[key].to_dict() if key in fields.index else {}), "data_source": key[2]}
-                     for key in sub.itertuples(index=False, name=None)}
+            found = {key: {**(fields.loc[key].to_dict() if key in fields.index else {}), "data_source": key[2],
+                           "threads": key[3]} for key in sub.itertuples(index=False, name=None)}
             for key, name in _distinct(workload, found).items():
                 names[key] = name
     index = pd.MultiIndex.from_frame(frame)
     return pd.Series(names.reindex(index).to_numpy(), index=df.index, name="experiment")
+
+
+def cell_threads(df: pd.DataFrame) -> pd.Series:
+    """Each row's cell's threads as text (``4``; "" where not recorded): the ``threads`` column is
+    each replica's, so a cell of N replicas ran on N times it (which its single replica is compared
+    with: ``scaling``). Threads define an experiment, as the batch size does: ``compare`` never
+    pools rows of two counts, which time different machines in effect."""
+    threads = pd.to_numeric(df["threads"], errors="coerce") if "threads" in df else pd.Series(float("nan"),
+                                                                                               index=df.index)
+    if "replicas" in df:
+        threads = threads * pd.to_numeric(df["replicas"], errors="coerce").fillna(1)
+    return threads.map(lambda v: "" if pd.isna(v) else f"{v:g}")
 
 
 def group_mode(mode: pd.Series, replicas: pd.Series, scaling: pd.Series) -> pd.Series:

@@ -1,4 +1,4 @@
-"""The matrix: workload x backend x mode x precision x replicas x repeat, expanded into cells in run order.
+"""The matrix: workload x backend x mode x precision x replicas x threads x repeat, expanded into cells in run order.
 
 ``load_workloads`` reads the workloads named, with the command line's overrides; ``resolve``
 turns the command line's ``-b``, ``--mode`` and ``--precision`` into one list of (backend, mode,
@@ -59,6 +59,8 @@ class Choice:
     precision: str
     problem: str = ""
     replicas: int = 1
+    #: ``--threads N`` (a sweep when repeated): the cell's intra-op threads; None: every core.
+    threads: Optional[int] = None
 
 
 @dataclass
@@ -85,10 +87,11 @@ class GroupId:
     mode: str
     precision: str
     replicas: int = 1
+    threads: Optional[int] = None
 
     def __str__(self) -> str:
         return f"{self.workload}/{self.backend}:{self.mode}/{self.precision}" + (
-            f"/x{self.replicas}" if self.replicas > 1 else "")
+            f"/x{self.replicas}" if self.replicas > 1 else "") + (f"/t{self.threads}" if self.threads else "")
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ class Cell:
     @property
     def group(self) -> GroupId:
         c = self.choice
-        return GroupId(self.workload.name, self.workload.hash(), c.backend, c.mode, c.precision, c.replicas)
+        return GroupId(self.workload.name, self.workload.hash(), c.backend, c.mode, c.precision, c.replicas,
+                       c.threads)
 
     @property
     def comparison(self) -> str:
@@ -229,6 +233,12 @@ def with_replicas(choices: list[Choice], replicas: Sequence[int]) -> list[Choice
                 problem = _no_replicas(spec, n)
             out.append(replace(c, replicas=n, problem=problem))
     return out
+
+
+def with_threads(choices: list[Choice], threads: Sequence[int]) -> list[Choice]:
+    """Each choice once per ``--threads N`` (once, with every core, when none is given). Threads are
+    part of what a cell measures, as its batch size is: ``compare`` never pools two counts."""
+    return [replace(c, threads=n) for c in choices for n in (list(dict.fromkeys(threads)) or [None])]
 
 
 def _no_replicas(spec: backends.BackendSpec, n: int) -> str:

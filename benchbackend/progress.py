@@ -19,12 +19,14 @@ if TYPE_CHECKING:
 
 
 def _names(cell: "Cell") -> tuple[str, str]:
-    """(``mnist`` or ``mnist b128`` in a batch sweep, ``torch:eager/fp32`` or ``torch:eager/fp32 x2``
-    for 2 replicas): how the log lines and the summary name a cell's experiment and choice."""
+    """(``mnist`` or ``mnist b128`` in a batch sweep, ``torch:eager/fp32``, ``torch:eager/fp32 x2``
+    for 2 replicas, ``torch:eager/fp32 t1`` for ``--threads 1``): how the log lines and the summary
+    name a cell's experiment and choice."""
     c = cell.choice
     sweep = f" b{cell.workload.training.batch_size}" if cell.sweep else ""
     many = f" x{c.replicas}" if c.replicas > 1 else ""
-    return cell.workload.name + sweep, f"{c.backend}:{c.mode}/{c.precision}{many}"
+    threads = f" t{c.threads}" if c.threads else ""
+    return cell.workload.name + sweep, f"{c.backend}:{c.mode}/{c.precision}{many}{threads}"
 
 
 def tag(cell: "Cell") -> str:

@@ -19,6 +19,7 @@ import pandas as pd
 from . import compare, page, plots, plots_scaling, scaling, summary
 from .errors import ResultsError
 from .experiments import CONTEXT_KEYS, GROUP_KEYS, LABEL_NAMES, REPEAT_KEYS, context_name, text, with_experiment
+from .machine import BUSY_SHARE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -34,7 +35,8 @@ class Drawn:
 
 
 _VERDICT_RULE = ("speed-up = {base}'s time / this time (above 1: faster), with its 95% CI (Welch's t on the log "
-                 "per-repeat times); 'faster' or 'slower' only where the CI leaves 1 out, else 'not significant'")
+                 "per-repeat times); 'faster' or 'slower' only where the CI leaves 1 out, else 'not significant'; "
+                 "withheld where the CI spans 1000x or more, or where the machine was busy")
 _WHISKERS = ("a distribution-free 95% CI of that median from 6 timed repeats, else the min-max of the "
              "per-repeat values.")
 _FAILED = "Hatched grey bars and red labels: groups that failed a check or did not finish; they are not ranked."
@@ -43,9 +45,19 @@ _FAILED = "Hatched grey bars and red labels: groups that failed a check or did n
 def _verdict_caption(frame: pd.DataFrame, what: str) -> str:
     base = next((b for b in frame["baseline"] if b), "")
     if not base:
-        return "No baseline (no group passed its checks), so no verdicts."
+        return "No baseline (no group passed its checks), so no verdicts." + _busy_caption(frame)
     return (f"The baseline is {base} (bold label, dashed line at its {what}). Under each other group, compare's "
-            f"verdict: {_VERDICT_RULE.format(base=base)}.")
+            f"verdict: {_VERDICT_RULE.format(base=base)}.{_busy_caption(frame)}")
+
+
+def _busy_caption(frame: pd.DataFrame) -> str:
+    """The groups timed while other processes held the machine (README "Trust"), said beside their figure."""
+    busy = frame[(frame["train_busy"] > 0) | (frame["infer_busy"] > 0)]
+    if busy.empty:
+        return ""
+    return (f" Machine busy: other processes held over {BUSY_SHARE:.0%} of the cores while "
+            f"{', '.join(busy['label'])} {'was' if len(busy) == 1 else 'were'} timed, so no verdict rests on "
+            "those repeats (see the warnings).")
 
 
 def _slug(value: str) -> str:

@@ -41,16 +41,27 @@ class CellKey:
     repeat: int
     #: Data-parallel replicas (schema 7; rows of older files: 1).
     replicas: int = 1
+    #: The threads of each replica where the run asked for them (``--threads``, a sweep), else "":
+    #: a run that asks for none resumes a cell whatever threads it ran on.
+    threads: str = ""
 
     @classmethod
-    def of(cls, row: Mapping[str, object]) -> "CellKey":
-        """The key of a results row (as written, or as read back as text)."""
+    def of(cls, row: Mapping[str, object], threads: bool = False) -> "CellKey":
+        """The key of a results row (as written, or as read back as text); with ``threads``, the
+        threads it ran on are part of it."""
         only = row.get("inference_only")
+        ran = str(row.get("threads") or "")
         return cls(str(row.get("workload_hash") or ""), str(row.get("data_source") or ""), str(row["backend"]),
                    str(row.get("mode") or ""), str(row.get("precision") or ""),
                    str(row.get("requested_device") or row.get("device") or ""),
                    only is True or str(only).lower() in ("true", "1"), int(float(str(row["repeat"] or 0))),
-                   int(float(str(row.get("replicas") or 1))))
+                   int(float(str(row.get("replicas") or 1))),
+                   f"{float(ran):g}" if threads and ran and ran.lower() != "nan" else "")
+
+    @classmethod
+    def both(cls, row: Mapping[str, object]) -> tuple["CellKey", "CellKey"]:
+        """A row's key as a run without ``--threads`` names it, and as one with them does."""
+        return cls.of(row), cls.of(row, threads=True)
 
 
 @dataclass
@@ -80,7 +91,7 @@ def read(path: Path) -> Previous:
         if digest:
             out.definitions.setdefault(name, set()).add(digest)
     ended = df[(df["phase"] == "run") & ~df["status"].isin(UNFINISHED)]
-    out.finished = {CellKey.of(row): str(row["status"]) for row in ended.to_dict("records")}
+    out.finished = {key: str(row["status"]) for row in ended.to_dict("records") for key in CellKey.both(row)}
     return out
 
 
@@ -107,7 +118,7 @@ def prune(path: Path, rerun: set[CellKey]) -> int:
     def rows(header: list[str], reader: Iterator[list[str]]) -> Iterator[list[str]]:
         for values in reader:
             row = dict(zip(header, values))
-            if results.cell_id(row) not in ended and row["repeat"] and CellKey.of(row) in rerun:
+            if results.cell_id(row) not in ended and row["repeat"] and not rerun.isdisjoint(CellKey.both(row)):
                 continue
             yield values
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Sequence
 
-from . import arrays, backends, checks, model, peaks, progress, replicas, results, resume
+from . import arrays, backends, checks, machine, model, peaks, progress, replicas, results, resume
 from .backends.spec import BackendSpec
 from .launch import Job
 from .messages import Ended, Heartbeat, Info, Message, Outcome, Peak, Row, Started
-from .plan import Cell, GroupId, Options, RunPlan, cells
+from .plan import Cell, Choice, GroupId, Options, RunPlan, cells
 from .workload import Workload
 
 
@@ -187,21 +187,24 @@ class Runner:
             job = Job.for_spec(spec, cell.workload, mode=cell.choice.mode, precision=cell.choice.precision,
                                device=self.plan.device, repeat=cell.repeat, data=str(files[cell.workload.hash()]),
                                trains=not self.plan.inference_only, parity_steps=self.plan.parity_steps,
-                               options=self._options(cell.choice.replicas))
+                               options=self._options(cell.choice))
             digest = cell.workload.hash()
             tasks.append(Task(cell, job, spec, self.checksums[digest], self.sources[digest]))
             self.waiting[cell.group] = self.waiting.get(cell.group, 0) + 1
         return tasks, refused
 
-    def _options(self, n: int) -> Options:
-        """The run's options for a cell of ``n`` replicas: the cores split between them (``replicas``)."""
-        o = self.plan.options
-        return o if n <= 1 else replace(o, replicas=n, threads=replicas.threads_per_replica(o.threads, n))
+    def _options(self, choice: Choice) -> Options:
+        """The run's options for a cell: its threads (``--threads``, a sweep), split between its
+        replicas (``replicas``)."""
+        n, threads = choice.replicas, choice.threads or self.plan.options.threads
+        return replace(self.plan.options, replicas=n, threads=replicas.threads_per_replica(threads, n))
 
     def _key(self, cell: Cell) -> resume.CellKey:
         c, w = cell.choice, cell.workload
+        threads = self._options(c).threads if c.threads else None  # each replica's, as the rows record them
         return resume.CellKey(w.hash(), self.sources[w.hash()], c.backend, c.mode, c.precision, self.plan.device,
-                              self._inference_only(c.backend), cell.repeat, c.replicas)
+                              self._inference_only(c.backend), cell.repeat, c.replicas,
+                              f"{threads:g}" if threads else "")
 
     def _inference_only(self, backend: str) -> bool:
         return self.plan.inference_only or not backends.get(backend).trains
@@ -256,7 +259,7 @@ class Runner:
                 "data_sha256": self.checksums.get(w.hash(), ""), "inference_only": self._inference_only(c.backend),
                 "definition": definition(w, source), "limit": w.data.train, "epochs": w.training.epochs,
                 "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed,
-                "replicas": c.replicas, "scale_lr": self.plan.options.scale_lr,
+                "replicas": c.replicas, "threads": self._options(c).threads, "scale_lr": self.plan.options.scale_lr,
                 "scaling": self.plan.options.scaling if c.replicas > 1 else "strong"}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device), base)
         if attempt == 1:
@@ -306,6 +309,10 @@ class Runner:
         else:
             result.status, result.message = outcome.status, outcome.message
         values: dict[str, Any] = {}
+        busy = machine.busy_note(state.rows)
+        if busy:  # on the run row, and said; compare reads the rows' shares itself
+            values["notes"] = busy
+            self.display.note(f"{progress.tag(result.cell)} {busy}")
         target = w.checks.target_accuracy
         if target is not None and outcome.status == "done":
             values["time_to_accuracy_s"] = reached = checks.time_to_accuracy(state.rows, target)

@@ -9,6 +9,11 @@ Scaling efficiency is ``throughput_N / (N * throughput_1)``. Both cells train th
 epoch, so the throughput ratio is the ratio of steady epoch times, and the efficiency is the
 speed-up of N replicas over one (``stats.compare_times``: the ratio of medians and its 95% interval)
 divided by N, interval included. 1 is perfect scaling; 1/N means N replicas ran no faster than one.
+Above 1 is not a finding: N replicas sharing a machine do not do more than N times one replica's
+work, so a spoiled or unstable measurement is the likely reading (a single replica timed while
+something else ran, say). Where even the interval's low end is above 1 the efficiency is
+``implausible``; where only the point is (the interval holds 1, or there is none), ``unstable``,
+too noisy to read (``scaling_check``; ``caveats.implausible_warnings`` names each).
 
 Where the time goes: ``comm_share`` is the median fraction of a steady epoch spent in gradient
 communication where the engine measures it (``comm_s``: torch DDP's comm hook); elsewhere only the
@@ -28,8 +33,20 @@ import pandas as pd
 from . import stats
 from .experiments import GROUP_KEYS, GroupKey, split_mode
 
-COLUMNS = ["replicas", "scaling", "scaling_of", "scaling_eff", "scaling_low", "scaling_high", "comm_share",
-           "grad_mb", "ring_mb"]
+COLUMNS = ["replicas", "scaling", "scaling_of", "scaling_eff", "scaling_low", "scaling_high", "scaling_check",
+           "comm_share", "grad_mb", "ring_mb"]
+#: ``scaling_check`` of an efficiency above 1: beyond its interval, or within it.
+IMPLAUSIBLE = "implausible"
+UNSTABLE = "unstable"
+
+
+def check(eff: float, low: float) -> str:
+    """``implausible`` for an efficiency above 1 whose interval's low end is above 1 too,
+    ``unstable`` for one above 1 whose interval holds 1 (or that has none: one repeat a side),
+    "" otherwise (at most 1, or unknown)."""
+    if not (math.isfinite(eff) and eff > 1):
+        return ""
+    return IMPLAUSIBLE if math.isfinite(low) and low > 1 else UNSTABLE
 
 
 def ring_mb(grad_mb: float, replicas: int) -> float:
@@ -58,6 +75,7 @@ def annotate(groups: pd.DataFrame, summary_: Any, df: pd.DataFrame) -> pd.DataFr
         values["scaling_eff"].append(r.ratio / n if r else math.nan)
         values["scaling_low"].append(r.low / n if r else math.nan)
         values["scaling_high"].append(r.high / n if r else math.nan)
+        values["scaling_check"].append(check(values["scaling_eff"][-1], values["scaling_low"][-1]))
         seconds = comm.get(key.index, math.nan)
         values["comm_share"].append(seconds / row["steady_s"] if n > 1 and row["steady_s"] > 0 else math.nan)
         grad = params.get(key.index, math.nan) * 4 / 1e6  # MB, as link speeds count (README's table)
@@ -80,14 +98,15 @@ def _num(x: float, spec: str) -> str:
     return "n/a" if not isinstance(x, (int, float)) or not math.isfinite(x) else format(x, spec)
 
 
-def efficiency_text(row: pd.Series) -> str:
-    """``0.74 [0.70-0.78]``: the efficiency and its interval (one repeat a side: no interval)."""
+def efficiency_text(row: pd.Series, mark: bool = True) -> str:
+    """``0.74 [0.70-0.78]``: the efficiency and its interval (one repeat a side: no interval); with
+    ``mark``, an efficiency above 1 says what it is (``1.30 [1.10-1.52] (implausible)``)."""
     eff, low, high = row["scaling_eff"], row["scaling_low"], row["scaling_high"]
     if not math.isfinite(eff):
         return "n/a"
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return f"{eff:.2f}"
-    return f"{eff:.2f} [{low:.2f}-{high:.2f}]"
+    text = f"{eff:.2f}" if not (math.isfinite(low) and math.isfinite(high)) else f"{eff:.2f} [{low:.2f}-{high:.2f}]"
+    flag = row.get("scaling_check", "") if mark else ""
+    return f"{text} ({flag})" if flag else text
 
 
 def rows(frame: pd.DataFrame) -> Optional[tuple[list[str], list[list[str]]]]:
@@ -109,4 +128,5 @@ def rows(frame: pd.DataFrame) -> Optional[tuple[list[str], list[list[str]]]]:
 SCALING_LINE = ("Scaling efficiency = throughput_N / (N x throughput_1) = (1-replica steady epoch / N-replica "
                 "steady epoch) / N, with its 95% CI; comm share: the epoch's measured gradient communication "
                 "(torch DDP), n/a where the engine does not expose it; ring MB/step = 2(N-1)/N x grad MB, each "
-                "replica's all-reduce traffic per step.")
+                "replica's all-reduce traffic per step. Above 1 is no finding: (implausible) where the CI's low "
+                "end is above 1 too, (unstable) where the CI holds 1 (see the warnings).")

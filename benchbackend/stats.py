@@ -13,6 +13,11 @@ timed alike) the ratio is exact: its interval has no width, and it is significan
 A group's own interval is a distribution-free interval of its median (order statistics) where the
 repeats allow one, else the range of the repeats.
 
+An interval that spans ``WIDE_SPAN`` or more (high/low: three orders of magnitude, e.g. two
+repeats a side on a busy machine giving ``[0.0000043-11629443]``) says nothing about which side is
+faster, wherever it lies: its verdict is withheld, ``too few repeats`` where a side has fewer than
+``MIN_REPEATS``, else ``unstable``, and never ``faster``/``slower``.
+
 Statistics are taken over repeats (fresh worker processes), never over epochs of one process,
 which share its caches, allocator and thread pools and are not independent. How results are
 reduced to per-repeat values is :mod:`benchbackend.summary`; how a ratio is printed, :mod:`benchbackend.tables`.
@@ -32,6 +37,11 @@ CI_LABEL = "95% CI"
 RANGE_LABEL = "range"
 #: The estimator of every time and every ratio ``compare`` shows (``--format json`` names it).
 ESTIMATOR = "median"
+#: A speed-up whose 95% interval spans this factor or more (high/low) is too wide to read.
+WIDE_SPAN = 1000.0
+#: Fewer repeats than this on a side: a too-wide interval is blamed on the repeats ("too few
+#: repeats"); from this many up, on the timings themselves ("unstable").
+MIN_REPEATS = 3
 #: n x Var(median of n standard normal values), n = 1..20, by numerical integration of the order
 #: statistics' densities (tests/test_stats.py checks them by simulation). It rises to pi/2 (odd n)
 #: and, more slowly, towards it (even n); beyond the table pi/2 is used, a little wide.
@@ -46,7 +56,8 @@ class Ratio:
     ``ratio`` is the ratio of medians; ``low``/``high`` its 95% interval (the rule in this module's
     docstring); ``significant`` iff the interval leaves 1 out. ``testable`` is False when a side
     has a single repeat: there is then no interval. With no spread on either side the ratio is
-    exact and ``low == ratio == high``.
+    exact and ``low == ratio == high``. ``n_base``/``n_cand`` are the repeats on each side (0:
+    not known), which say whether a too-wide interval is for want of repeats.
     """
 
     ratio: float
@@ -55,14 +66,27 @@ class Ratio:
     pvalue: float
     significant: bool
     testable: bool
+    n_base: int = 0
+    n_cand: int = 0
+
+    @property
+    def too_wide(self) -> bool:
+        """Whether the interval spans ``WIDE_SPAN`` or more: a significance drawn from it would be
+        an accident of the spread, not a finding."""
+        if not self.testable:
+            return False
+        # A bound that under- or overflowed (0, inf) spans everything.
+        return not (self.low > 0 and math.isfinite(self.high)) or self.high / self.low >= WIDE_SPAN
 
     @property
     def verdict(self) -> str:
-        """``faster``, ``slower``, ``not significant``, ``too few repeats`` or ``n/a``."""
+        """``faster``, ``slower``, ``not significant``, ``too few repeats``, ``unstable`` or ``n/a``."""
         if not math.isfinite(self.ratio) or self.ratio <= 0:
             return "n/a"
         if not self.testable:
             return "too few repeats"
+        if self.too_wide:
+            return "too few repeats" if 0 < min(self.n_base, self.n_cand) < MIN_REPEATS else "unstable"
         if not self.significant:
             return "not significant"
         return "faster" if self.ratio > 1 else "slower"
@@ -101,18 +125,19 @@ def compare_times(baseline: np.ndarray, candidate: np.ndarray) -> Optional[Ratio
     if len(base) == 0 or len(cand) == 0:
         return None
     ratio = float(np.median(base) / np.median(cand))
+    sizes = (len(base), len(cand))
     if len(base) < 2 or len(cand) < 2:
-        return Ratio(ratio, math.nan, math.nan, math.nan, False, False)
+        return Ratio(ratio, math.nan, math.nan, math.nan, False, False, *sizes)
     vb, vc = _median_log_variance(base), _median_log_variance(cand)
     if vb + vc == 0:  # every repeat of each side timed alike: the ratio is exact
-        return Ratio(ratio, ratio, ratio, float(ratio == 1), ratio != 1, True)
+        return Ratio(ratio, ratio, ratio, float(ratio == 1), ratio != 1, True, *sizes)
     se, diff = math.sqrt(vb + vc), math.log(ratio)
     df = (vb + vc) ** 2 / (vb ** 2 / (len(base) - 1) + vc ** 2 / (len(cand) - 1))
     half = t_quantile((1 + LEVEL) / 2, df) * se
     pvalue = 2 * t_cdf(-abs(diff) / se, df)
     # ratio x exp(-+half), not exp(diff -+ half): the bounds then hold the ratio itself, to the last bit
     low, high = ratio * math.exp(-half), ratio * math.exp(half)
-    return Ratio(ratio, low, high, pvalue, bool(low > 1 or high < 1), True)
+    return Ratio(ratio, low, high, pvalue, bool(low > 1 or high < 1), True, *sizes)
 
 
 # --- Student's t, without SciPy (importing scipy.special costs a quarter of a second) -------------

@@ -19,12 +19,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from .experiments import GROUP_KEYS, REPEAT_KEYS, GroupKey, labels, with_experiment
+from .machine import BUSY_SHARE, VERDICT_PHASES
 from .results import STATUSES, worst_status
 from .stats import clean, median_interval
 
@@ -46,6 +46,9 @@ SUMMARY_COLUMNS = [
     "flops_per_sample", "achieved_flops", "mfu", "infer_achieved_flops", "infer_mfu", "peak_flops", "peak",
     # time to accuracy over the timed repeats that reached the target; the others counted apart
     "tta_s", "tta_low", "tta_high", "tta_interval", "tta_n", "tta_reached", "tta_missed",
+    # the machine (``machine.py``): per phase, the timed repeats other processes made busy and the
+    # largest share of the cores they held; repeats left out as busy (``skip_busy``)
+    "train_busy", "train_busy_share", "infer_busy", "infer_busy_share", "busy_left_out",
 ]
 #: ``compare --metric``: the per-repeat value (a column of :class:`Summary`) that ranks training.
 METRICS = {"epoch-time": "steady_s", "time-to-accuracy": "tta_s"}
@@ -93,14 +96,16 @@ def _column(df: pd.DataFrame, name: str) -> pd.Series:
     return pd.Series(np.nan, index=df.index, dtype=float)
 
 
-def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
+def per_repeat(df: pd.DataFrame, skip_busy: bool = False) -> pd.DataFrame:
     """One row per repeat: status, timed (feeds the timings), first_s (epoch 1), steady_s (median
     of epochs >= 2; NaN with a single epoch), samples_per_s, achieved_flops and mfu (of the same
     epochs; epoch 1's with a single epoch), val_accuracy (last epoch), infer_first_s (the first
     inference pass, which carries tracing, compilation and first copies, as epoch 1 does), infer_s,
     infer_sps (samples/s), infer_achieved_flops and infer_mfu (median of the passes after the
     first; the only pass when there is one), and tta_s (time to accuracy: ``inf`` when the target
-    was not reached, NaN when the workload declared none)."""
+    was not reached, NaN when the workload declared none), train_busy and infer_busy (the share
+    of the cell's cores other processes held over its epochs and its passes, ``machine.phase_shares``;
+    NaN where not measured). With ``skip_busy``, a repeat busy in either phase feeds no timing."""
     keys = GROUP_KEYS + REPEAT_KEYS
     # One integer per repeat, in key order: every reduction below groups by it, not by seven columns.
     repeats = df.groupby(keys, sort=True, dropna=False)
@@ -123,7 +128,8 @@ def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
     # A cell-level value on every row of the repeat: the largest is the one (inf: not reached).
     tta = df.groupby("_repeat")["time_to_accuracy_s"].max().rename("tta_s")
     status = repeat_status(df, "_repeat")
-    out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer, tta], axis=1)
+    out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer, tta, _busy(df)],
+                    axis=1)
     out = out.reindex(range(repeats.ngroups))
     out.index = repeats.size().index
     out["status"] = out["status"].fillna("ok")
@@ -131,7 +137,30 @@ def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
     for c in rates:
         out[c] = out[c].fillna(out.pop(f"first_{c}"))
     out["timed"] = timed_repeats(out["status"])
+    out["left_out"] = out["timed"] & is_busy(out) if skip_busy else False
+    out["timed"] &= ~out["left_out"]
     return out
+
+
+def _busy(df: pd.DataFrame) -> pd.DataFrame:
+    """Per ``_repeat``: the share of its cores other processes held over its training epochs
+    (``train_busy``) and its inference passes (``infer_busy``), weighted by seconds as
+    ``machine.phase_shares`` weighs them for the run's own note."""
+    share = _column(df, "foreign_cpu_share")
+    seconds = _column(df, "seconds")
+    rows = df["phase"].isin(VERDICT_PHASES) & share.notna() & (seconds > 0)
+    by = [df.loc[rows, "_repeat"], df.loc[rows, "phase"]]
+    weighted = (share[rows] * seconds[rows]).groupby(by).sum() / seconds[rows].groupby(by).sum()
+    frame = weighted.unstack("phase") if len(weighted) else pd.DataFrame()
+    return pd.DataFrame({f"{name}_busy": frame[phase] if phase in frame else pd.Series(dtype=float)
+                         for name, phase in (("train", "train_epoch"), ("infer", "inference"))})
+
+
+def is_busy(reps: pd.DataFrame, phase: str = "") -> pd.Series:
+    """Whether other processes held more than ``machine.BUSY_SHARE`` of each repeat's cores over
+    ``phase`` (``train`` or ``infer``; either, when empty). Not measured is not busy."""
+    cols = [f"{phase}_busy"] if phase else ["train_busy", "infer_busy"]
+    return (reps[cols] > BUSY_SHARE).any(axis=1)
 
 
 def steady_inference(df: pd.DataFrame) -> pd.DataFrame:
@@ -168,6 +197,17 @@ def _group_info(df: pd.DataFrame, reps: pd.DataFrame) -> pd.DataFrame:
         "failed": by_rep["status"].agg(_failed_text),
     })
     info.index.names = GROUP_KEYS
+    timed = reps[reps["timed"]]
+    by_timed = timed.groupby(level=list(range(len(GROUP_KEYS))), sort=True)
+    for phase in ("train", "infer"):
+        info[f"{phase}_busy"] = by_timed.apply(lambda r, p=phase: int(is_busy(r, p).sum())).reindex(
+            info.index).fillna(0).astype(int) if len(timed) else 0
+        info[f"{phase}_busy_share"] = by_timed[f"{phase}_busy"].max().reindex(info.index) if len(timed) else math.nan
+    left = by_rep["left_out"].sum().astype(int)
+    info["busy_left_out"] = left
+    info["ok_repeats"] -= left
+    info["failed"] = [", ".join(filter(None, (text, f"{n} busy (left out)" if n else "")))
+                      for text, n in zip(info["failed"], left)]
     # A failed cell's reason is its `run` row's message, never another row's (a build row's
     # notes are facts, not reasons; ``results.read`` moves older files' notes out of `message`).
     noted = df.loc[(df["message"] != "") & (df["phase"] == "run"), GROUP_KEYS + ["status", "message"]]
@@ -231,29 +271,27 @@ class Summary:
         return clean(sub.loc[sub["timed"], column].to_numpy(dtype=float))
 
 
-def summarize(df: pd.DataFrame) -> Summary:
+def summarize(df: pd.DataFrame, skip_busy: bool = False) -> Summary:
     """Aggregate a results frame (``results.read``/``read_many``, best through
-    ``experiments.for_comparison``) per group."""
+    ``experiments.for_comparison``) per group; with ``skip_busy``, repeats that other processes
+    made busy feed no timing (``per_repeat``)."""
     df = one_peak(with_experiment(df))
-    reps = per_repeat(df)
+    reps = per_repeat(df, skip_busy)
     groups = _group_info(df, reps)
     timed = reps[reps["timed"]]
     level = list(range(len(GROUP_KEYS)))
     by_group = timed.groupby(level=level, sort=False)
-    med = by_group[["first_s", "steady_s", "samples_per_s", "val_accuracy", "infer_first_s", "infer_s",
-                    "infer_sps"]].median()
+    med = by_group[["first_s", "steady_s", "val_accuracy", "infer_first_s", "infer_s"]].median()
     med.index.names = GROUP_KEYS
     groups = groups.join(med)
     groups["timed_from"] = by_group["status"].agg(
         lambda s: "ok" if (s == STATUSES[0]).all() else "failed").reindex(groups.index).fillna("")
     groups["steady_n"] = by_group["steady_s"].count().reindex(groups.index).fillna(0).astype(int)
     groups["infer_n"] = by_group["infer_s"].count().reindex(groups.index).fillna(0).astype(int)
-    for name, col in (("steady", "steady_s"), ("infer", "infer_s"), ("sps", "samples_per_s"),
-                      ("infer_sps", "infer_sps")):
+    for name, col in (("steady", "steady_s"), ("infer", "infer_s")):
         iv = _intervals(timed, col, groups.index)
         groups[f"{name}_low"], groups[f"{name}_high"] = iv["low"], iv["high"]
-        if name in ("steady", "infer"):
-            groups[f"{name}_interval"] = iv["kind"].fillna("")
+        groups[f"{name}_interval"] = iv["kind"].fillna("")
     # The spread is over the individual epochs / passes of the timed repeats.
     keep = df.set_index(GROUP_KEYS + REPEAT_KEYS).index.isin(timed.index)
     rows = df[keep]
@@ -265,7 +303,7 @@ def summarize(df: pd.DataFrame) -> Summary:
     parity = df.loc[(df["phase"] == "parity") & df["steps"].isna()].groupby(GROUP_KEYS, sort=False, dropna=False)[
         ["parity_max_abs", "parity_max_rel"]].max()
     groups = groups.join(parity)
-    groups = _with_rates(groups, df, by_group)
+    groups = _with_rates(groups, df, rows, timed)
     groups = _with_tta(groups, timed)
     named = labels(GroupKey.of(k) for k in groups.index)
     groups["label"] = [named[GroupKey.of(k)] for k in groups.index]
@@ -304,13 +342,52 @@ def one_peak(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def _with_rates(groups: pd.DataFrame, df: pd.DataFrame, by_group: Any) -> pd.DataFrame:
-    """MFU and achieved FLOP/s (medians over the timed repeats), FLOPs per sample, and the peak(s)
-    each group's MFU is against: ``peak`` names them all, ``peak_flops`` is NaN unless there is one."""
-    cols = list(_RATE_COLUMNS) + [f"infer_{c}" for c in _RATE_COLUMNS]
-    med = by_group[cols].median()
-    med.index.names = GROUP_KEYS
-    groups = groups.join(med)
+#: The rate columns of a group, per phase: (samples/s, the prefix of its interval, of the others).
+_RATE_NAMES = (("samples_per_s", "sps", ""), ("infer_sps", "infer_sps", "infer_"))
+
+
+def _work(rows: pd.DataFrame, index: pd.Index) -> pd.DataFrame:
+    """Per group, the work of one epoch (or pass) of ``rows`` that each rate is of: ``samples``,
+    and each of ``_RATE_COLUMNS`` (achieved FLOP/s, MFU) x the row's seconds. It is the same in
+    every epoch of a definition; the median keeps one odd row from moving it."""
+    seconds = _column(rows, "seconds")
+    work = pd.DataFrame({"samples": _column(rows, "samples").fillna(_column(rows, "samples_per_s") * seconds),
+                         **{c: _column(rows, c) * seconds for c in _RATE_COLUMNS}})
+    return work.groupby([rows[k] for k in GROUP_KEYS], sort=False, dropna=False).median().reindex(index)
+
+
+def _rate_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The timed epochs and passes the median times are of: the steady epochs (the first where a
+    group has no other, as ``per_repeat``) and the passes after the first (``steady_inference``)."""
+    train = rows[rows["phase"] == "train_epoch"]
+    steady = train["epoch"] >= 2
+    any_steady = steady.groupby([train[k] for k in GROUP_KEYS], sort=False, dropna=False).transform("any")
+    return train[steady | (~any_steady.astype(bool) & (train["epoch"] == 1))], steady_inference(rows)
+
+
+def _with_rates(groups: pd.DataFrame, df: pd.DataFrame, rows: pd.DataFrame, timed: pd.DataFrame) -> pd.DataFrame:
+    """Each group's rates (samples/s with its interval, achieved FLOP/s and MFU, of training and of
+    inference), FLOPs per sample, and the peak(s) its MFU is against (``peak`` names them all,
+    ``peak_flops`` is NaN unless there is one).
+
+    A rate is the work of one epoch (pass) over the very median time that ranks the group,
+    ``steady_s`` (``infer_s``), and its interval that time's, turned over: a median of per-repeat
+    rates is not the reciprocal of the median of per-repeat times (with an even number of repeats
+    each is the mean of its two middle values), and once showed the starred, quicker group with the
+    lower samples/s. ``rows`` are the timed repeats' rows; with one epoch (no ``steady_s``) the
+    first epoch's time stands in, as in ``per_repeat``."""
+    one_epoch = groups["steady_s"].isna()
+    first = _intervals(timed, "first_s", groups.index)
+    times = ((groups["steady_s"].where(~one_epoch, groups["first_s"]),
+              groups["steady_low"].where(~one_epoch, first["low"]),
+              groups["steady_high"].where(~one_epoch, first["high"])),
+             (groups["infer_s"], groups["infer_low"], groups["infer_high"]))
+    for (sps, bounds, prefix), phase_rows, (time, low, high) in zip(_RATE_NAMES, _rate_rows(rows), times):
+        work = _work(phase_rows, groups.index)
+        groups[sps] = work["samples"] / time
+        groups[f"{bounds}_low"], groups[f"{bounds}_high"] = work["samples"] / high, work["samples"] / low
+        for c in _RATE_COLUMNS:
+            groups[f"{prefix}{c}"] = work[c] / time
     timed_phase = df[df["phase"].isin(["train_epoch", "inference"])]
     groups["flops_per_sample"] = _column(timed_phase, "flops_per_sample").groupby(
         [timed_phase[k] for k in GROUP_KEYS], sort=False).max().reindex(groups.index)

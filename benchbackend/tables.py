@@ -11,7 +11,7 @@ import pandas as pd
 from . import scaling
 from .experiments import CONTEXT_KEYS, context_name
 from .peaks import TRAIN_FLOPS_FACTOR
-from .stats import CI_LABEL, ESTIMATOR, RANGE_LABEL, Ratio
+from .stats import CI_LABEL, ESTIMATOR, MIN_REPEATS, RANGE_LABEL, WIDE_SPAN, Ratio
 from .summary import METRICS, TTA
 
 
@@ -100,12 +100,16 @@ def _bounds(ratio: float, low: float, high: float) -> tuple[str, str, str]:
 
 def ratio_text(r: Ratio) -> str:
     """``faster: 1.85x [1.60-2.10]``: the verdict, the speed-up and its 95% interval, all from
-    one rule, so that a verdict and its interval always point the same way."""
+    one rule, so that a verdict and its interval always point the same way. An interval too wide
+    to read (``Ratio.too_wide``) is not printed as if it bounded anything: the withheld verdict
+    says why (``unstable: 1.23x (95% CI spans over 1000x)``)."""
     verdict = r.verdict
     if verdict == "n/a":
         return verdict
     if not r.testable:
         return f"{verdict}: {_fixed(r.ratio)}x"
+    if r.too_wide:
+        return f"{verdict}: {_fixed(r.ratio)}x (95% CI spans over {WIDE_SPAN:g}x)"
     ratio, low, high = _bounds(r.ratio, r.low, r.high)
     return f"{verdict}: {ratio}x [{low}-{high}]"
 
@@ -115,8 +119,9 @@ def convention(baseline: str = "baseline", metric: str = "epoch-time") -> str:
     metric that ranks training, stated once above the tables."""
     text = (f"vs {baseline}: speed-up = {baseline}'s time / this time (>1: faster), both the {ESTIMATOR} over "
             f"repeats shown in the time columns, with its 95% CI (Welch's t on log per-repeat times, with a "
-            f"{ESTIMATOR}'s standard error); 'faster'/'slower' only where the CI leaves 1 out. "
-            "Timings come from ok repeats only.")
+            f"{ESTIMATOR}'s standard error); 'faster'/'slower' only where the CI leaves 1 out, and none where "
+            f"it spans {WIDE_SPAN:g}x or more (withheld: unstable timings, or fewer than {MIN_REPEATS} repeats a "
+            "side). Timings come from ok repeats only.")
     if metric == TTA:
         text += ("\nTraining is ranked on time to accuracy: the training seconds (epoch times summed, first "
                  "epoch included) until the validation accuracy first reached the workload's "
@@ -194,7 +199,10 @@ def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time") -> str:
             continue
         best = frame[frame[f"fastest_{prefix}"]]
         if best.empty:
-            parts.append(f"{what} none (no backend passed its checks)")
+            ok = frame["status"] == "ok"
+            busy = ok.any() and (frame.loc[ok, f"{prefix}_busy"] > 0).all()
+            why = "the machine was busy: no verdict" if busy else "no backend passed its checks"
+            parts.append(f"{what} none ({why})")
         else:
             row = best.iloc[0]
             verdict = row[f"{prefix}_verdict"]

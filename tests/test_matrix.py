@@ -60,3 +60,22 @@ def test_time_to_accuracy_is_the_training_time_until_the_target(tmp_path):
     want = epochs["seconds"].cumsum()[reached.index[0]] if len(reached) else math.inf
     assert set(df["time_to_accuracy_s"]) == {want}, r.stderr[-1500:]
     assert "time to accuracy 0.5" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_threads_sweep_is_a_matrix_dimension_whose_counts_never_pool(tmp_path):
+    """``--threads 1 --threads 2``: each count its own cells, tags and experiment; a resume knows them apart."""
+    from benchbackend import compare
+
+    out = tmp_path / "threads.csv"
+    args = ("run", "mnist", "-b", "numpy", "--threads", "1", "--threads", "2", "--inference-only", "--data",
+            "synthetic", "--limit", "128", "--repeats", "1", "--no-plots")
+    r = cli(*args, "-o", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[mnist/numpy:reference/fp32 t1 r1/1]" in r.stderr and "[mnist/numpy:reference/fp32 t2 r1/1]" in r.stderr
+    df = results.read(out)
+    assert sorted(df.loc[df.phase == "inference", "threads"].unique()) == [1, 2]
+    groups = compare.run_compare([str(out)]).groups.reset_index()
+    assert sorted(groups["experiment"]) == ["mnist (threads 1)", "mnist (threads 2)"]
+    again = cli(*args, "--resume", str(out))
+    assert again.returncode == 0 and "2 of 2 cells had finished; nothing left to run" in again.stderr, again.stderr
