@@ -34,11 +34,11 @@ from typing import Any, Iterable, Mapping, Optional
 
 #: The driver's pid, in every worker's environment: the root of this run's own processes.
 DRIVER_ENV = "BENCHBACKEND_DRIVER_PID"
-#: A cell is busy when other processes held more than this share of its cores during a timed region.
-#: Measured with ``benchmarks/aa.py`` (README "Trust"): a quiet machine reads 0-3% (the run's own
-#: bookkeeping, a shell, the system's daemons); one CPU hog on a 2-core machine reads 50-100%.
-#: 10% is the share at which one other busy thread preempts a cell's threads often enough to move
-#: a torch epoch by more than the repeats' own spread.
+#: A repeat is busy when other processes held more than this share of its cores over a verdict phase
+#: (``phase_shares``). Measured with ``benchmarks/aa.py`` on this 2-core machine (README "Trust"):
+#: 120 quiet torch repeats read 1.2% (median) to 3.2% (max); beside two spinning processes every
+#: repeat read 50%, and torch's steady epoch took 113x as long (0.038 s to 4.28 s). 10% is three
+#: times the quiet maximum and a fifth of one hog's share.
 BUSY_SHARE = 0.10
 #: ``run`` warns before it starts when other processes hold more than this share of the cores.
 BUSY_BEFORE = 0.25
@@ -263,20 +263,37 @@ def cell_readings(device: str) -> dict[str, Optional[float]]:
 
 #: The rows whose timings feed a verdict (``compare``): training epochs and inference passes.
 VERDICT_PHASES = ("train_epoch", "inference")
+#: Every row the worker times (and so watches the machine around).
+TIMED_PHASES = ("build", "tune", *VERDICT_PHASES)
+#: The shortest timed window whose share is read on its own. The kernel counts idle time in ticks
+#: (10 ms a core), so a window of W seconds on C cores reads others' share to about C ticks / (W x C):
+#: one 6 ms inference pass of a small network reads 0% or 70% on a quiet machine, half a second
+#: reads within 2-4%.
+MIN_WINDOW = 0.5
 
 
 def phase_shares(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """The share of the cell's cores other processes held over each verdict phase of a cell: the
-    mean of its rows' ``foreign_cpu_share`` weighted by their seconds. One row's reading is ticks
-    (10 ms of CPU), coarse over a 20 ms pass; over a phase it is not. ``summary`` reduces a file alike."""
-    held: dict[str, list[float]] = {}
+    """The share of a cell's cores other processes held over each verdict phase of one repeat: the
+    mean of its rows' ``foreign_cpu_share`` weighted by their seconds. A phase timed for less than
+    ``MIN_WINDOW`` in all is read over every timed region of the repeat instead (its build, tune,
+    epochs and passes: the machine around it); where even that is shorter, it is not judged. The
+    run's note and ``compare`` (``summary``) both read a repeat through this function."""
+    sums: dict[str, list[float]] = {}
     for row in rows:
         share, seconds = row.get("foreign_cpu_share"), row.get("seconds")
-        if row.get("phase") in VERDICT_PHASES and share is not None and seconds:
-            sums = held.setdefault(row["phase"], [0.0, 0.0])
-            sums[0] += share * seconds
-            sums[1] += seconds
-    return {phase: a / b for phase, (a, b) in held.items() if b > 0}
+        if row.get("phase") in TIMED_PHASES and share is not None and share == share and seconds and seconds > 0:
+            for key in (row["phase"], ""):
+                acc = sums.setdefault(key, [0.0, 0.0])
+                acc[0] += share * seconds
+                acc[1] += seconds
+    cell = sums.get("", [0.0, 0.0])
+    out = {}
+    for phase in VERDICT_PHASES:
+        if phase in sums:
+            held, seconds = sums[phase] if sums[phase][1] >= MIN_WINDOW else cell
+            if seconds >= MIN_WINDOW:
+                out[phase] = held / seconds
+    return out
 
 
 def busy_note(rows: Iterable[Mapping[str, Any]]) -> str:

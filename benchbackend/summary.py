@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from .experiments import GROUP_KEYS, REPEAT_KEYS, GroupKey, labels, with_experiment
-from .machine import BUSY_SHARE, VERDICT_PHASES
+from .machine import BUSY_SHARE, TIMED_PHASES, VERDICT_PHASES, phase_shares
 from .results import STATUSES, worst_status
 from .stats import clean, median_interval
 
@@ -144,16 +144,15 @@ def per_repeat(df: pd.DataFrame, skip_busy: bool = False) -> pd.DataFrame:
 
 def _busy(df: pd.DataFrame) -> pd.DataFrame:
     """Per ``_repeat``: the share of its cores other processes held over its training epochs
-    (``train_busy``) and its inference passes (``infer_busy``), weighted by seconds as
-    ``machine.phase_shares`` weighs them for the run's own note."""
-    share = _column(df, "foreign_cpu_share")
-    seconds = _column(df, "seconds")
-    rows = df["phase"].isin(VERDICT_PHASES) & share.notna() & (seconds > 0)
-    by = [df.loc[rows, "_repeat"], df.loc[rows, "phase"]]
-    weighted = (share[rows] * seconds[rows]).groupby(by).sum() / seconds[rows].groupby(by).sum()
-    frame = weighted.unstack("phase") if len(weighted) else pd.DataFrame()
-    return pd.DataFrame({f"{name}_busy": frame[phase] if phase in frame else pd.Series(dtype=float)
-                         for name, phase in (("train", "train_epoch"), ("infer", "inference"))})
+    (``train_busy``) and its inference passes (``infer_busy``), read by ``machine.phase_shares``,
+    the rule the run's own note follows (NaN: not measured, or too short to tell)."""
+    rows = pd.DataFrame({"_repeat": df["_repeat"], "phase": df["phase"], "seconds": _column(df, "seconds"),
+                         "foreign_cpu_share": _column(df, "foreign_cpu_share")})
+    rows = rows[rows["phase"].isin(TIMED_PHASES) & rows["foreign_cpu_share"].notna()]
+    shares = {rep: phase_shares(part.to_dict("records")) for rep, part in rows.groupby("_repeat", sort=False)}
+    names = {"train_epoch": "train_busy", "inference": "infer_busy"}
+    frame = pd.DataFrame.from_dict(shares, orient="index", columns=list(VERDICT_PHASES), dtype=float)
+    return frame.rename(columns=names)
 
 
 def is_busy(reps: pd.DataFrame, phase: str = "") -> pd.Series:

@@ -42,13 +42,25 @@ def test_the_share_of_a_cells_cores_that_other_processes_held() -> None:
 def test_a_phase_share_is_weighted_by_seconds_and_noted_over_the_threshold() -> None:
     rows = [{"phase": "train_epoch", "seconds": 9.0, "foreign_cpu_share": 0.0},
             {"phase": "train_epoch", "seconds": 1.0, "foreign_cpu_share": 0.5},
-            {"phase": "inference", "seconds": 0.02, "foreign_cpu_share": 0.4},
+            {"phase": "inference", "seconds": 0.6, "foreign_cpu_share": 0.4},
             {"phase": "build", "seconds": 5.0, "foreign_cpu_share": 1.0}]  # times no verdict
     assert machine.phase_shares(rows) == {"train_epoch": pytest.approx(0.05), "inference": pytest.approx(0.4)}
     note = machine.busy_note(rows)
     assert note.startswith("machine busy: other processes held 40% of this cell's cores during its inference")
     assert "training" not in note
     assert machine.busy_note(rows[:2]) == ""
+
+
+def test_a_phase_too_short_to_read_is_read_over_the_cells_timed_work() -> None:
+    """Idle time is counted in 10 ms ticks: a 6 ms pass reads 0% or 70% on a quiet machine (the A/A
+    run saw it), so a phase shorter than MIN_WINDOW is judged by the repeat's whole timed work."""
+    passes = [{"phase": "inference", "seconds": 0.006, "foreign_cpu_share": 0.7 * (i % 2)} for i in range(5)]
+    build = {"phase": "build", "seconds": 0.9, "foreign_cpu_share": 0.0}
+    assert machine.phase_shares(passes) == {}  # not judged: 30 ms tell nothing
+    share = machine.phase_shares(passes + [build])["inference"]
+    assert share == pytest.approx(2 * 0.7 * 0.006 / 0.93) and share < machine.BUSY_SHARE
+    hog = {"phase": "build", "seconds": 0.9, "foreign_cpu_share": 0.6}  # a load across the cell is seen
+    assert machine.phase_shares(passes + [hog])["inference"] > machine.BUSY_SHARE
 
 
 @LINUX
