@@ -185,9 +185,6 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
             for threads in thread_counts or (None,):
                 for warning in replicas.oversubscribed(replica_counts, threads, device, os.cpu_count()):
                     _err(f"warning: {warning}")
-            busy = machine.busy_warning()
-            if busy:
-                _err(f"warning: {busy}")
     except (OutputError, WorkloadError, ResultsError) as exc:
         raise UsageFailure(str(exc)) from None
     if where.note:
@@ -207,7 +204,14 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
                                   wait_for_nodes, retries)
     except ClusterError as exc:
         raise UsageFailure(str(exc)) from None
-    r = runner.Runner(plan, executor, writer, progress.display(quiet), previous)
+    def warn_if_busy() -> None:  # once the data is ready: the last word before the first cell, after any error
+        busy = machine.busy_warning()
+        if busy:
+            _err(f"warning: {busy}")
+
+    # a Ray node's load is its own: each cell measures it there
+    r = runner.Runner(plan, executor, writer, progress.display(quiet), previous,
+                      ready=warn_if_busy if executor_name == "local" else None)
     try:
         with runner.sigterm_interrupts():
             cells = r.run()

@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from . import arrays, backends, checks, machine, model, peaks, progress, replicas, results, resume
 from .backends.spec import BackendSpec
@@ -115,8 +115,11 @@ class Runner:
     """Runs a :class:`RunPlan` through ``executor``, writing rows with ``writer`` and telling ``display``."""
 
     def __init__(self, plan: RunPlan, executor: Executor, writer: results.CsvWriter,
-                 display: Optional[progress.Display] = None, previous: Optional[resume.Previous] = None):
+                 display: Optional[progress.Display] = None, previous: Optional[resume.Previous] = None,
+                 ready: Optional[Callable[[], None]] = None):
         self.plan, self.executor, self.writer = plan, executor, writer
+        #: Called once the data is ready and before the first cell (``run`` looks at the machine then).
+        self.ready = ready
         #: ``run --resume``: the file's finished cells are not run again (``writer`` appends to that file);
         #: ``resumed`` holds the statuses of the plan's cells that had finished.
         self.previous = previous
@@ -138,6 +141,8 @@ class Runner:
             tasks, refused = self._tasks(files)
             if self.previous is not None:
                 self._resume(tasks, refused)
+            if self.ready is not None and tasks:
+                self.ready()
             self.display.begin(len(tasks) + len(refused))
             try:
                 for message in [m for cell, why in refused for m in self._refusal(cell, why)]:
