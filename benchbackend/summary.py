@@ -13,6 +13,9 @@ recorded; a training sample costs ``peaks.TRAIN_FLOPS_FACTOR`` forward passes), 
 (``time_to_accuracy_s``, written when the workload declares ``checks.target_accuracy``) is one
 value per repeat: the training seconds until the validation accuracy first reached the target, or
 ``inf`` when it never did; such a repeat cannot be timed and is counted apart.
+
+Over 400 lines: per-repeat and per-group reductions, the rates and MFU's one denominator; the
+rates move to a module of their own with the house's step 2 (issue 36).
 """
 from __future__ import annotations
 
