@@ -15,7 +15,7 @@ from typing import Optional
 
 import click
 
-from . import backends as registry
+from .backends import registry
 from .errors import (
     BackendUnavailable,
     BenchError,
@@ -151,9 +151,11 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run path/to/my_workload.yaml -b tensorflow
       benchbackend run mnist -b torch -b tensorflow --repeats 5 --resume results/interrupted.csv
     """
-    from . import epilogue, executors, machine, outputs, progress, replicas, results, runner
-    from . import plan as planning
-    from . import resume as resuming
+    from . import epilogue, results
+    from .run import executors, machine, outputs, progress, runner
+    from .run import plan as planning
+    from .run import resume as resuming
+    from .spec import replicas
 
     if inference_only and max(replica_counts, default=1) > 1:
         raise UsageFailure(f"--replicas {max(replica_counts)} trains data-parallel replicas and --inference-only "
@@ -290,13 +292,13 @@ def compare(paths: tuple[str, ...], baseline: Optional[str], candidate: tuple[st
       benchbackend compare results/a.csv results/b.csv --baseline tensorflow --format markdown
       benchbackend compare results/*.csv --plots report/
     """
-    from . import compare as cmp
+    from .analysis import compare as cmp
 
     try:
         outcome = cmp.run_compare(list(paths), baseline=baseline, candidate=candidate, fmt=fmt,
                                   skip_bad=skip_bad, fail_on_regression=fail_on_regression, metric=metric)
         if plots is not None and outcome.frame is not None:
-            from . import report
+            from .analysis import report
 
             made = report.write_report(outcome.frame, Path(plots), summary_text=outcome.table_text,
                                        warnings=outcome.warnings, baseline=baseline, metric=metric)
@@ -324,7 +326,7 @@ def setup(backend: str, path: Optional[Path], check: bool) -> None:
     7.8.1 needs numpy<2) runs from a virtual environment of its own, built from
     configs/<name>-requirements.txt; `run -b NAME` then uses it automatically.
     """
-    from . import envs
+    from .backends import envs
 
     spec = registry.BACKENDS[registry.isolated_envs()[backend]]
     probe = envs.Probe(spec.name, spec.target, spec.env("cpu"))
@@ -365,19 +367,24 @@ def entry() -> None:
 
 @main.command()
 @click.option("--update", "readme", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE",
-              help="Rewrite the reference between FILE's marker comments (README.md) instead of printing it.")
-def schema(readme: Optional[Path]) -> None:
+              help="Rewrite the references between FILE's marker comments (README.md) instead of printing one.")
+@click.option("--columns", "csv_columns", is_flag=True,
+              help="Print the results CSV's column reference instead of the workload's.")
+def schema(readme: Optional[Path], csv_columns: bool) -> None:
     """Print the workload YAML reference as Markdown: every field with its type, default, allowed
-    values and meaning, generated from the validation models (README.md holds this text)."""
-    from . import schema as reference
+    values and meaning, generated from the validation models (README.md holds this text); with
+    --columns, the results CSV's columns, generated from their one declaration."""
+    from . import columns
+    from .spec import schema as reference
 
     if readme is None:
-        click.echo(reference.markdown(), nl=False)
+        click.echo((columns if csv_columns else reference).markdown(), nl=False)
         return
     try:
-        readme.write_text(reference.replace_block(readme.read_text(encoding="utf-8")), encoding="utf-8")
+        text = reference.replace_block(readme.read_text(encoding="utf-8"))
+        readme.write_text(columns.replace_block(text) if columns.BEGIN in text else text, encoding="utf-8")
     except ValueError as exc:
         raise UsageFailure(f"{readme}: {exc}") from None
     except OSError as exc:
         raise UsageFailure(f"{readme}: cannot write: {exc.strerror}") from None
-    _err(f"updated the workload reference in {readme}")
+    _err(f"updated the workload and column references in {readme}")

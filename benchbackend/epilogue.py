@@ -16,7 +16,7 @@ def _err(msg: str) -> None:
 
 def summary(cells: list, out: Optional[Path], plots: bool) -> None:
     """The per-cell summary, then compare's verdict and the plots for what was measured."""
-    from .progress import summary_line
+    from .run.progress import summary_line
 
     click.echo("\nsummary (steady epoch = median of epochs after the first; "
                "inference = median of passes after the first):")
@@ -30,7 +30,8 @@ def summary(cells: list, out: Optional[Path], plots: bool) -> None:
 def tables_and_plots(csv_path: Path, plots: bool, verdict: bool) -> None:
     """After a run: the compare tables (when backends can be compared), the plots, then on stderr
     the warnings the report holds (``compare.report_warnings``), and last the verdict."""
-    from . import compare, experiments, results
+    from . import results
+    from .analysis import compare, experiments
 
     try:
         df = experiments.for_comparison(results.read(csv_path))
@@ -41,7 +42,7 @@ def tables_and_plots(csv_path: Path, plots: bool, verdict: bool) -> None:
     made: list[Path] = []
     if plots:
         try:
-            from . import report
+            from .analysis import report
 
             made = report.write_report(df, csv_path.with_name(csv_path.stem + "-plots"),
                                        summary_text=outcome.text, warnings=outcome.warnings)

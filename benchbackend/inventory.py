@@ -1,6 +1,6 @@
 """What ``benchbackend list`` shows: workloads, and backends with availability, version and devices.
 
-Devices come from asking each installed backend's worker (``python -m benchbackend.worker --probe``)
+Devices come from asking each installed backend's worker (``python -m benchbackend.run.worker --probe``)
 in its own process, in parallel, so this process never imports a framework. A probe takes seconds
 (the framework's import), so its answer is cached in ``paths.cache_dir() / "devices.json"``, keyed
 on what could change it: the interpreter, the adapter, the installed version, this package's
@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from . import backends, model, workload
+from .backends import registry as backends
 from .errors import BackendUnavailable, WorkloadError
+from .spec import model, workload
 
 PROBE_TIMEOUT_S = 120
 #: Environment variables (by prefix) that choose what devices a framework sees.
@@ -34,7 +35,7 @@ def _cache_path() -> Path:
 
 def _key(spec: backends.BackendSpec) -> str:
     from . import __version__
-    from .launch import python_for, worker_environ
+    from .run.launch import python_for, worker_environ
 
     env = {k: v for k, v in sorted(worker_environ(spec).items()) if k.startswith(DEVICE_VARS)}
     parts = [python_for(spec), spec.target, backends.version(spec), __version__, platform.node(), env]
@@ -86,8 +87,8 @@ def probes(specs: list[backends.BackendSpec], refresh: bool = False,
 
 def probe(spec: backends.BackendSpec) -> dict[str, Any]:
     """``{"version", "devices"}`` from the backend's own interpreter, or ``{"error": ...}``."""
-    from .launch import python_for, worker_environ
-    from .probe import probe_in
+    from .backends.probe import probe_in
+    from .run.launch import python_for, worker_environ
 
     try:
         return probe_in(python_for(spec), spec.target, worker_environ(spec), PROBE_TIMEOUT_S)

@@ -2,9 +2,6 @@
 
 One row per measurement. ``schema_version`` is bumped on any incompatible change; the reader
 refuses newer versions with a clear message and reads older ones.
-
-Over 400 lines: the column list, writer, reader and migrations of one file format; the columns'
-declaration moves out with the house's step 2 (issue 36).
 """
 from __future__ import annotations
 
@@ -18,57 +15,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
+from .columns import DECLARED
 from .errors import ResultsError
 
 SCHEMA_VERSION = 9
+#: A training sample costs this many forward passes of FLOPs: the forward, the gradient of the
+#: activations and the gradient of the weights. ``achieved_flops`` and ``mfu`` count training so.
+TRAIN_FLOPS_FACTOR = 3
 
-#: Fixed columns, in this order; see README "CSV columns".
-BASE_COLUMNS = [
-    "schema_version", "run_id", "timestamp", "workload", "workload_hash", "backend", "backend_version",
-    "device", "mode", "repeat", "phase", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy",
-    "val_loss", "val_accuracy", "status", "message", "host", "os", "python", "cpu", "gpu",
-]
-#: Added columns (schema 1): parity errors, model size, memory.
-EXTRA_COLUMNS = ["parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
-                 "peak_rss_mb", "steps", "requested_device",
-                 # schema 2: the matrix's precision, threads used, data source, inference-only cells
-                 "precision", "threads", "data_source", "inference_only", "definition",
-                 # MFU: achieved FLOP/s (a training sample: peaks.TRAIN_FLOPS_FACTOR forward passes) over the peak
-                 "achieved_flops", "mfu", "peak_flops", "peak_source",
-                 # cell-level: training seconds until checks.target_accuracy (inf: not reached)
-                 "time_to_accuracy_s",
-                 # schema 3: the cell's place in the run order (with run_id, it names the cell: the
-                 # `run` row that carries a cell's final status joins its other rows by it) and
-                 # facts about a row that are not a failure's reason (build details, trajectory)
-                 "cell_order", "notes",
-                 # what defines the experiment, as fields (``definition`` says it readably)
-                 "limit", "epochs", "batch_size", "inference_batch_size", "seed",
-                 # schema 4: an inference row's pass (1 = the first, warm-up pass); ``epoch`` is now
-                 # only a train_epoch row's epoch (empty on every other row: build, tune, parity,
-                 # the trajectory row, whose steps are in ``steps`` and first diverging step in
-                 # ``parity_step``, and the run row); ``device`` in its canonical form
-                 # (``canonical_device``); ``notes`` never in ``message``
-                 "pass",
-                 # schema 5: which attempt of the cell the row belongs to (1, or 2... after ``--retries``
-                 # ran a cell again whose node was lost; the lost attempt's rows read ``retried``),
-                 # the checksum of the cell's arrays (``data.checksum``) and where its worker found
-                 # them (``data_origin``: local, node-cache, generated, shared-path, fetched); the
-                 # cell's float32 math mode as set (``math_mode``: ieee, tf32; backends/precision.py)
-                 "attempt", "data_sha256", "data_origin", "math_mode",
-                 # schema 6: the cell's data placement rule (``data_on_device``: arrays on the device before
-                 # the clock, or each batch copied inside it; Backend.place_data) and the device's peak
-                 # memory from the framework's own counter (``peak_device_mb``, MiB; empty on a CPU or
-                 # without a counter) on every row with ``peak_rss_mb``. Older files: both empty.
-                 "data_on_device", "peak_device_mb",
-                 # schema 7: data-parallel replicas and --scale-lr (``replicas``; older: 1, none); schema 8:
-                 # --scaling (weak: ``batch_size`` per replica; older: strong), an epoch's communication s.
-                 "replicas", "scale_lr", "scaling", "comm_s",
-                 # schema 9: the machine (``machine.py``): the share of the cell's cores other processes
-                 # held during a timed region and the throttling events in it (timed rows); the load
-                 # average, CPU clock, the GPU's other processes and clock as the cell started (every
-                 # row). Empty where not measured (older files, an OS without /proc).
-                 "foreign_cpu_share", "throttle_events", "load_avg", "cpu_mhz", "gpu_other_procs", "gpu_clock_mhz"]
-COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
+#: The columns, in the file's order: declared once, with their types and meanings, in ``columns``
+#: (README "CSV columns" is generated from there). What each schema version changed in older files
+#: is ``_migrate``'s docstring.
+COLUMNS = [c.name for c in DECLARED]
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
 PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
 #: Cell statuses, best first; "worst" is the highest index. ``pending``: the cell had not ended
@@ -78,12 +36,7 @@ STATUSES = ("ok", "parity_mismatch", "chance_accuracy", "diverged", "nan_loss", 
             "interrupted", "crashed", "retried", "pending")
 PENDING = "pending"
 RETRIED = "retried"
-NUMERIC = ["repeat", "epoch", "samples", "seconds", "samples_per_s", "loss", "accuracy", "val_loss",
-           "val_accuracy", "parity_max_abs", "parity_max_rel", "parity_step", "params", "flops_per_sample",
-           "peak_rss_mb", "steps", "threads", "achieved_flops", "mfu", "peak_flops", "time_to_accuracy_s",
-           "cell_order", "limit", "epochs", "batch_size", "inference_batch_size", "seed", "pass", "attempt",
-           "peak_device_mb", "replicas", "comm_s", "foreign_cpu_share", "throttle_events", "load_avg", "cpu_mhz",
-           "gpu_other_procs", "gpu_clock_mhz"]
+NUMERIC = [c.name for c in DECLARED if c.kind == "number" and c.name != "schema_version"]
 #: The definition's fields as columns (schema 3), and the key of each in the ``definition`` text
 #: that older files carry (read once, when such a file is read: see ``_migrate``).
 DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch",
@@ -316,7 +269,7 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Rows of older schemas, as schema 9 says them (see ``EXTRA_COLUMNS``):
+    """Rows of older schemas, as schema 9 says them (see ``columns.DECLARED``):
 
     - before 9, the machine was not watched: its columns are empty (not measured, never "quiet");
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from benchbackend import compare, experiments, results
+from benchbackend import results
+from benchbackend.analysis import compare, experiments
 
 SIDE = 3  # repeats a side in one trial
 

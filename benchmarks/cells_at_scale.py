@@ -35,7 +35,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from support import scale  # noqa: E402
 
-from benchbackend import progress, results, runner  # noqa: E402
+from benchbackend import results  # noqa: E402
+from benchbackend.run import progress, runner  # noqa: E402
 
 
 def _cpu() -> float:
@@ -58,12 +59,12 @@ class _Count(progress.Display):
 
 
 def measure(executor_name: str, cells: int, nodes: int, folder: Path) -> dict[str, float]:
-    from benchbackend.executors.local import LocalExecutor
+    from benchbackend.run.executors.local import LocalExecutor
 
     out = folder / f"{executor_name}-{cells}.csv"
     plan = scale.plan(folder, cells)
     if executor_name == "ray":
-        from benchbackend.executors.ray import RayExecutor
+        from benchbackend.run.executors.ray import RayExecutor
 
         executor = RayExecutor()
     else:

@@ -74,7 +74,7 @@ def main() -> None:
         print(f"generated {written:,} rows in {time.perf_counter() - t:.1f} s: {path}")
     rows = sum(1 for _ in open(path)) - 1
 
-    from benchbackend import compare
+    from benchbackend.analysis import compare
 
     t = time.perf_counter()
     out = compare.run_compare([str(path)])

@@ -1,13 +1,13 @@
 """Every backend at its best: samples/s and MFU of each torch and tensorflow mode x precision.
 
-Each cell runs in a fresh worker process (``python -m benchbackend.worker``, as ``run`` starts
+Each cell runs in a fresh worker process (``python -m benchbackend.run.worker``, as ``run`` starts
 it) on the same synthetic data: a few training epochs (the first holds compilation and is left
 out), then timed inference passes (the first left out). Prints the median steady samples/s and
 the MFU: achieved FLOP/s over the GEMM peak of that precision on this machine (the best that
 either framework's ``gemm_peak`` probe reaches, measured first, each in its own process).
 
 FLOPs: ``model.flops_per_sample`` is the *forward* count (a multiply-add counted as 2); a
-training sample costs ``peaks.TRAIN_FLOPS_FACTOR`` forward passes (forward, gradient of the
+training sample costs ``results.TRAIN_FLOPS_FACTOR`` forward passes (forward, gradient of the
 activations, gradient of the weights), an inference sample one.
 
     python benchmarks/fast_modes.py                                 # cifar10, batch 32 and 128
@@ -33,16 +33,17 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchbackend import arrays, backends  # noqa: E402
-from benchbackend import workload as W  # noqa: E402
-from benchbackend.launch import Job  # noqa: E402
-from benchbackend.model import flops_per_sample  # noqa: E402
-from benchbackend.peaks import TRAIN_FLOPS_FACTOR  # noqa: E402
+from benchbackend.backends import registry as backends  # noqa: E402
+from benchbackend.data import arrays  # noqa: E402
+from benchbackend.results import TRAIN_FLOPS_FACTOR  # noqa: E402
+from benchbackend.run.launch import Job  # noqa: E402
+from benchbackend.spec import workload as W  # noqa: E402
+from benchbackend.spec.model import flops_per_sample  # noqa: E402
 
 PEAK_CODE = """
 import json, sys
-from benchbackend import workload
-from benchbackend.worker import load_class
+from benchbackend.spec import workload
+from benchbackend.run.worker import load_class
 cls = load_class(sys.argv[1])
 b = cls(workload.load("mnist"), sys.argv[2], sys.argv[3])
 print(json.dumps({p: b.gemm_peak(p) for p in sys.argv[4:]}))
@@ -67,7 +68,7 @@ def run_cell(spec: backends.BackendSpec, workload: W.Workload, mode: str, precis
              data_path: str) -> tuple[list[dict[str, Any]], Optional[str]]:
     """The rows of one cell, and a reason when it did not run (unavailable, error)."""
     job = Job.for_spec(spec, workload, mode=mode, precision=precision, device=device, repeat=0, data=data_path)
-    proc = subprocess.run([sys.executable, "-m", "benchbackend.worker"], input=job.to_json(),
+    proc = subprocess.run([sys.executable, "-m", "benchbackend.run.worker"], input=job.to_json(),
                           capture_output=True, text=True, env=_env(spec, device), cwd=ROOT)
     rows, why = [], None
     for line in proc.stdout.splitlines():

@@ -38,7 +38,8 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchbackend import __version__, backends, results  # noqa: E402
+from benchbackend import __version__, results  # noqa: E402
+from benchbackend.backends import registry as backends  # noqa: E402
 from benchbackend.errors import BackendUnavailable, ResultsError  # noqa: E402
 
 WORKLOAD = "mnist"

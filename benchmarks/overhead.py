@@ -39,7 +39,7 @@ def _plain_torch(w, weights, x, y, orders):
     import torch
     import torch.nn.functional as F
 
-    from benchbackend.backends.torch import TorchBackend
+    from benchbackend.backends.torch.adapter import TorchBackend
 
     # The same network and weights (a deep copy of a separately built adapter's module), driven
     # by the loop a user would write: slices of a pre-permuted tensor, no harness around it.
@@ -71,8 +71,8 @@ def _plain_tensorflow(w, weights, x, y, orders):
     import keras
     import tensorflow as tf
 
-    from benchbackend.backends.keras_layers import keras3_optimizer
-    from benchbackend.backends.tensorflow import TensorFlowBackend
+    from benchbackend.backends.keras.layers import keras3_optimizer
+    from benchbackend.backends.tensorflow.adapter import TensorFlowBackend
 
     ref = TensorFlowBackend(w, "cpu")
     net = ref._net()
@@ -108,9 +108,9 @@ def _plain_jax(w, weights, x, y, orders):
     import jax
     import jax.numpy as jnp
 
-    from benchbackend.backends.jax import _init_state, _update
-    from benchbackend.backends.jax_graph import make_forward
-    from benchbackend.model import kernel_mask
+    from benchbackend.backends.jax.adapter import _init_state, _update
+    from benchbackend.backends.jax.graph import make_forward
+    from benchbackend.spec.model import kernel_mask
 
     t = w.training
     logits, graph = make_forward(w)
@@ -153,9 +153,10 @@ def _plain_jax(w, weights, x, y, orders):
 
 def measure(backend: str, workload_name: str, limit: int, epochs: int, spe: int = 32) -> dict:
     """Runs inside a fresh process for one backend."""
-    from benchbackend import data, model, workload
-    from benchbackend.backends import get
-    from benchbackend.timing import timed_region
+    from benchbackend.backends.registry import get
+    from benchbackend.data import datasets as data
+    from benchbackend.run.timing import timed_region
+    from benchbackend.spec import model, workload
 
     backend, _, mode = backend.partition(":")  # e.g. jax:scan
     spec = get(backend)

@@ -21,7 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchbackend import data, model, peaks, workload  # noqa: E402
+from benchbackend import results  # noqa: E402
+from benchbackend.data import datasets as data  # noqa: E402
+from benchbackend.spec import model, workload  # noqa: E402
 
 GEMM_OPS = ("conv", "mm", "addmm", "matmul", "linear", "bmm")
 
@@ -39,7 +41,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchbackend.backends.torch import TorchBackend
+    from benchbackend.backends.torch.adapter import TorchBackend
 
     w = workload.load(args.workload).with_overrides(limit=args.limit, epochs=2, batch_size=args.batch_size)
     ds = data.load(w, "synthetic")
@@ -57,7 +59,7 @@ def main() -> None:
         b.sync()
         wall = time.perf_counter() - t0
     n = len(ds.y_train)
-    flops = peaks.TRAIN_FLOPS_FACTOR * model.flops_per_sample(w) * n
+    flops = results.TRAIN_FLOPS_FACTOR * model.flops_per_sample(w) * n
     print(f"torch {torch.__version__} {args.mode}@{args.precision}, batch {args.batch_size}, {n} samples, "
           f"{torch.get_num_threads()} threads")
     print(f"warm-up epoch {warm:.2f} s; profiled epoch {wall:.2f} s = {n / wall:.0f} samples/s, "

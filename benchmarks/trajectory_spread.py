@@ -33,9 +33,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchbackend import backends, data, model, workload  # noqa: E402
-from benchbackend.backends import _numpy_ops as ops  # noqa: E402
-from benchbackend.backends import reference  # noqa: E402
+from benchbackend.backends import registry as backends  # noqa: E402
+from benchbackend.backends.numpy import ops, reference  # noqa: E402
+from benchbackend.data import datasets as data  # noqa: E402
+from benchbackend.spec import model, workload  # noqa: E402
 
 
 class TorchStyleAdam(ops.Adam):

@@ -50,7 +50,7 @@ def have(*modules: str) -> bool:
 
 def missing(backend: str) -> str:
     """Why the registry backend ``backend`` cannot run here, with its install command ("" if it can)."""
-    from benchbackend import backends
+    from benchbackend.backends import registry as backends
 
     spec = backends.get(backend)
     why = backends.problem(spec)
@@ -67,7 +67,7 @@ def backend_params(names, *, build_isolated: bool = False) -> list:
     """``names`` as pytest params, each skipped (with the reason) where it cannot run here.
     ``build_isolated``: a backend of an isolated environment is not skipped for an environment not
     yet built, since the test builds it (``isolated_env``)."""
-    from benchbackend import backends
+    from benchbackend.backends import registry as backends
 
     def marks(n):
         return [] if build_isolated and backends.get(n).isolated_env else requires(n)
@@ -78,7 +78,8 @@ def backend_params(names, *, build_isolated: bool = False) -> list:
 def isolated_env(envs_root: Path, backend: str) -> dict[str, str]:
     """The worker environment variables under which ``backend`` runs: for a backend of an isolated
     environment, that environment built (or reused) under ``envs_root`` and named to the CLI."""
-    from benchbackend import backends, envs
+    from benchbackend.backends import envs
+    from benchbackend.backends import registry as backends
 
     spec = backends.get(backend)
     if not spec.isolated_env:
@@ -142,8 +143,8 @@ def make_job(tmp_path: Path, w, backend: str = "numpy", *, target: str | None = 
     ``fields`` are the job's own (mode, precision, device, parity_steps, options, trains, ...)."""
     from dataclasses import replace
 
-    from benchbackend import backends
-    from benchbackend.launch import Job
+    from benchbackend.backends import registry as backends
+    from benchbackend.run.launch import Job
 
     job = Job.for_spec(backends.get(backend), w, data=job_arrays(tmp_path, w), **fields)
     return replace(job, target=target) if target else job
@@ -152,7 +153,7 @@ def make_job(tmp_path: Path, w, backend: str = "numpy", *, target: str | None = 
 def run_cell(tmp_path: Path, w, backend: str = "numpy", **fields) -> tuple[list[dict], list[dict]]:
     """One cell in this process through ``worker.run_job``: (every message, the rows with the
     trajectory decided as the runner decides it)."""
-    from benchbackend import checks, worker
+    from benchbackend.run import checks, worker
 
     msgs: list[dict] = []
     worker.run_job(make_job(tmp_path, w, backend, **fields), msgs.append)
@@ -165,8 +166,9 @@ def spawn_cell(tmp_path: Path, w, backend: str = "numpy", *, env: dict | None = 
     """One cell in a real worker process (for backends whose environment must be set before the
     framework is imported): (the rows with the trajectory decided, the worker's ``Outcome``, its
     ``messages.Info`` or None). ``env`` replaces the worker environment the registry entry gives."""
-    from benchbackend import backends, checks, launch, plan
-    from benchbackend.messages import Info, Row
+    from benchbackend.backends import registry as backends
+    from benchbackend.run import checks, launch, plan
+    from benchbackend.run.messages import Info, Row
 
     job = make_job(tmp_path, w, backend, **fields)
     spec = backends.get(backend)
@@ -188,7 +190,7 @@ def spawn_cell(tmp_path: Path, w, backend: str = "numpy", *, env: dict | None = 
 def job_arrays(tmp_path: Path, w) -> str:
     """The run's arrays as the runner hands them to a worker (an .npz of synthetic data and orders),
     in ``tmp_path``, named by the workload's hash."""
-    from benchbackend import arrays
+    from benchbackend.data import arrays
 
     path = tmp_path / f"{w.name}-{w.hash()}.npz"
     arrays.prepare(w, "synthetic", None, path)
@@ -201,7 +203,7 @@ def built_env(envs_root: Path, name: str, probe, label: str):
     import fcntl
     from unittest import mock
 
-    from benchbackend import envs
+    from benchbackend.backends import envs
     from benchbackend.errors import EnvError
 
     # Two xdist processes may want the same environment at once (a backend's own file and the
@@ -231,11 +233,13 @@ def _isolated_cell(tmp_path: Path, w, backend: str, env, **fields) -> list[dict]
     import json
     import subprocess
 
-    from benchbackend import backends, checks, envs
+    from benchbackend.backends import envs
+    from benchbackend.backends import registry as backends
+    from benchbackend.run import checks
 
     spec = backends.get(backend)
     job = make_job(tmp_path, w, backend, **fields)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=job.to_json(), text=True,
+    proc = subprocess.run([str(env.python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
                           capture_output=True, timeout=900, env={**envs.worker_env(), **spec.env(job.device)})
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 0 and not [m for m in msgs if m.get("type") == "error"], proc.stderr[-3000:]
@@ -247,7 +251,8 @@ def any_cell(tmp_path: Path, w, backend: str, envs_root: Path, **fields) -> list
     """The rows of one cell of ``backend`` (the trajectory decided), run where that backend must run:
     in this process, in a worker process, or in its isolated environment's interpreter (built under
     ``envs_root`` if need be)."""
-    from benchbackend import backends, envs
+    from benchbackend.backends import envs
+    from benchbackend.backends import registry as backends
 
     if backend in IN_PROCESS:
         return run_cell(tmp_path, w, backend, **fields)[1]

@@ -12,7 +12,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from benchbackend import compare, machine, results
+from benchbackend import results
+from benchbackend.analysis import busy, compare
+from benchbackend.run import machine
 from conftest import cli
 
 LINUX = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="no /proc: the load is not measured here")
@@ -44,11 +46,11 @@ def test_a_phase_share_is_weighted_by_seconds_and_noted_over_the_threshold() -> 
             {"phase": "train_epoch", "seconds": 1.0, "foreign_cpu_share": 0.5},
             {"phase": "inference", "seconds": 0.6, "foreign_cpu_share": 0.4},
             {"phase": "build", "seconds": 5.0, "foreign_cpu_share": 1.0}]  # times no verdict
-    assert machine.phase_shares(rows) == {"train_epoch": pytest.approx(0.05), "inference": pytest.approx(0.4)}
-    note = machine.busy_note(rows)
+    assert busy.phase_shares(rows) == {"train_epoch": pytest.approx(0.05), "inference": pytest.approx(0.4)}
+    note = busy.busy_note(rows)
     assert note.startswith("machine busy: other processes held 40% of this cell's cores during its inference")
     assert "training" not in note
-    assert machine.busy_note(rows[:2]) == ""
+    assert busy.busy_note(rows[:2]) == ""
 
 
 def test_a_phase_too_short_to_read_is_read_over_the_cells_timed_work() -> None:
@@ -56,11 +58,11 @@ def test_a_phase_too_short_to_read_is_read_over_the_cells_timed_work() -> None:
     run saw it), so a phase shorter than MIN_WINDOW is judged by the repeat's whole timed work."""
     passes = [{"phase": "inference", "seconds": 0.006, "foreign_cpu_share": 0.7 * (i % 2)} for i in range(5)]
     build = {"phase": "build", "seconds": 0.9, "foreign_cpu_share": 0.0}
-    assert machine.phase_shares(passes) == {}  # not judged: 30 ms tell nothing
-    share = machine.phase_shares(passes + [build])["inference"]
-    assert share == pytest.approx(2 * 0.7 * 0.006 / 0.93) and share < machine.BUSY_SHARE
+    assert busy.phase_shares(passes) == {}  # not judged: 30 ms tell nothing
+    share = busy.phase_shares(passes + [build])["inference"]
+    assert share == pytest.approx(2 * 0.7 * 0.006 / 0.93) and share < busy.BUSY_SHARE
     hog = {"phase": "build", "seconds": 0.9, "foreign_cpu_share": 0.6}  # a load across the cell is seen
-    assert machine.phase_shares(passes + [hog])["inference"] > machine.BUSY_SHARE
+    assert busy.phase_shares(passes + [hog])["inference"] > busy.BUSY_SHARE
 
 
 @LINUX
@@ -129,7 +131,7 @@ def test_compare_withholds_busy_groups_and_skip_bad_leaves_their_repeats_out(tmp
 def test_the_report_says_so_beside_the_figures(tmp_path: Path) -> None:
     from test_compare import write_cells
 
-    from benchbackend import report
+    from benchbackend.analysis import report
 
     path = tmp_path / "busy.csv"
     w = results.CsvWriter(path)
@@ -206,11 +208,11 @@ def test_a_run_beside_a_cpu_hog_warns_records_it_and_gives_no_verdict(tmp_path: 
 @pytest.mark.quiet_machine
 def test_the_same_run_on_a_quiet_machine_gives_a_verdict(tmp_path: Path) -> None:
     seen = machine.look(0.5)
-    if seen is not None and seen.share > machine.BUSY_SHARE:
+    if seen is not None and seen.share > busy.BUSY_SHARE:
         pytest.skip(f"this test needs a quiet machine, and {seen.text()}")
     got, path = _run(tmp_path, "quiet")
     assert "the machine is busy" not in got.stderr and "machine busy" not in got.stderr, got.stderr[-2000:]
-    assert _shares(path).max() <= machine.BUSY_SHARE * 2  # one pass's ticks are coarse; the phase's are not
+    assert _shares(path).max() <= busy.BUSY_SHARE * 2  # one pass's ticks are coarse; the phase's are not
     out = compare.run_compare([str(path)])
     candidate = out.groups[out.groups["infer_verdict"] != "baseline"].iloc[0]
     assert candidate["infer_verdict"] in ("faster", "slower", "not significant")

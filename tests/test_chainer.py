@@ -17,13 +17,15 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from benchbackend import checks, envs, workload
-from benchbackend.workload import Workload
+from benchbackend.backends import envs
+from benchbackend.run import checks
+from benchbackend.spec import workload
+from benchbackend.spec.workload import Workload
 from conftest import built_env, make_job
 
 pytestmark = [pytest.mark.chainer, pytest.mark.slow]
 
-TARGET = "benchbackend.backends.chainer:ChainerBackend"
+TARGET = "benchbackend.backends.chainer.adapter:ChainerBackend"
 PROBE = envs.Probe("chainer", TARGET, {})
 
 
@@ -68,7 +70,7 @@ def run_cell(env: envs.EnvStatus, w: Workload, tmp: Path, mode: str, device: str
              parity_steps: int = 0) -> tuple[list[dict[str, Any]], str]:
     """The worker's messages (stdout, each line JSON) and its stderr."""
     job = make_job(tmp, w, "chainer", mode=mode, device=device, repeat=0, parity_steps=parity_steps)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=job.to_json(), text=True,
+    proc = subprocess.run([str(env.python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
                           capture_output=True, timeout=900, env=envs.worker_env())
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]  # every line is protocol
     errors = [m for m in msgs if m.get("type") == "error"]
@@ -141,9 +143,9 @@ def test_dropout_and_adam_follow_the_reference(chainer_env: envs.EnvStatus, tmp_
 DROPOUT_PROBE = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from benchbackend.backends.chainer import ChainerBackend
-    from benchbackend.model import initial_weights
-    from benchbackend.workload import Workload
+    from benchbackend.backends.chainer.adapter import ChainerBackend
+    from benchbackend.spec.model import initial_weights
+    from benchbackend.spec.workload import Workload
     w = Workload.model_validate(json.loads(sys.stdin.read()))
     b = ChainerBackend(w, "cpu", sys.argv[1])
     b.build(initial_weights(w))
@@ -195,7 +197,8 @@ def test_gpu_without_cupy_is_unavailable(chainer_env: envs.EnvStatus, tmp_path: 
 
 # --- the whole product: CLI and runner ---------------------------------------------------------
 def test_cli_static_graph_run_is_ok_and_quiet(chainer_env: envs.EnvStatus, envs_root: Path, tmp_path: Path) -> None:
-    from benchbackend import backends, results
+    from benchbackend import results
+    from benchbackend.backends import registry as backends
     from conftest import cli
 
     if "chainer" not in backends.BACKENDS:

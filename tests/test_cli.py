@@ -8,7 +8,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import backends
+from benchbackend.backends import registry as backends
 from benchbackend.cli import main
 from conftest import ROOT, cli, invoke, one_line_error
 
@@ -105,8 +105,8 @@ def test_missing_real_data_is_one_line_naming_files_and_the_synthetic_alternativ
 
 def test_interpreter_is_configurable_per_backend(tmp_path, monkeypatch):
     """configs/backends.yaml picks each backend's worker interpreter; a bad entry is one line."""
-    from benchbackend import launch
     from benchbackend.errors import BackendUnavailable
+    from benchbackend.run import launch
 
     cfg = tmp_path / "backends.yaml"
     cfg.write_text(f"numpy: {sys.executable}\nplaidml: current\n")

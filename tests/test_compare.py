@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from benchbackend import compare, results
+from benchbackend import results
+from benchbackend.analysis import compare
 from benchbackend.errors import ResultsError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -638,8 +639,8 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_compare_imports_no_ml_framework(two_x: Path, tmp_path: Path) -> None:
-    code = (f"from benchbackend import compare\n"
-            f"from benchbackend import report\n"
+    code = (f"from benchbackend.analysis import compare\n"
+            f"from benchbackend.analysis import report\n"
             f"out = compare.run_compare([{str(two_x)!r}])\n"
             f"report.write_report(out.frame, {str(tmp_path / 'p')!r}, out.table_text)\n"
             f"assert 'torch' in out.text")

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import backends, results, workload
+from benchbackend import results
+from benchbackend.backends import registry as backends
 from benchbackend.cli import main
+from benchbackend.spec import workload
 from conftest import ROOT, backend_params, cli, invoke, isolated_env, one_line_error, run_cell
 
 LAZY = backends.BackendSpec("lazy", "support.lazy_backend:LazyNumpyBackend", ("numpy",), "numpy", "(test only)",
@@ -79,7 +81,7 @@ def test_unknown_backend_mode_or_precision_is_one_line_exit_2(args, needle, tmp_
 
 
 def test_a_precision_one_backend_lacks_is_an_unavailable_row_for_it(tmp_path):
-    from benchbackend import plan
+    from benchbackend.run import plan
 
     choices = plan.resolve(["numpy", "torch"], [], ["fp64"])
     assert [(c.backend, c.precision, bool(c.problem)) for c in choices] == [("numpy", "fp64", False),
@@ -102,7 +104,7 @@ def test_readme_backend_table_is_the_registry():
 
 @pytest.mark.parametrize("name", ["mnist", "cifar10"])
 def test_nchw_weight_conversion_round_trips(name):
-    from benchbackend import model
+    from benchbackend.spec import model
 
     w = workload.load(name)
     weights = model.initial_weights(w)

@@ -10,8 +10,10 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import arrays, results, workload
+from benchbackend import results
 from benchbackend.cli import main
+from benchbackend.data import arrays
+from benchbackend.spec import workload
 
 
 def _run(monkeypatch, tmp_path: Path, *args: str) -> Path:

@@ -1,4 +1,4 @@
-"""benchbackend.data: real-format readers, downloads against a local server, synthetic data.
+"""benchbackend.data.datasets: real-format readers, downloads against a local server, synthetic data.
 
 Over 400 lines: one test per real-format reader and per way its input can be wrong (missing,
 corrupt, wrong checksum, legacy format), sharing the fake archives at the top.
@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchbackend import data
+from benchbackend.data import datasets as data
 from benchbackend.errors import DataError
-from benchbackend.workload import DataSpec, Workload
-from benchbackend.workload import load as load_workload
+from benchbackend.spec.workload import DataSpec, Workload
+from benchbackend.spec.workload import load as load_workload
 
 MNIST_FILES = data.FILES["mnist"]
 CIFAR_FILE = data.FILES["cifar10"][0]
@@ -437,7 +437,7 @@ def test_normalize() -> None:
 
 
 def test_the_arrays_checksum_names_content_shape_and_dtype_and_takes_an_empty_split(tmp_path: Path) -> None:
-    from benchbackend import arrays
+    from benchbackend.data import arrays
 
     w = load_workload("mnist").with_overrides(limit=64)
     w = w.model_copy(update={"data": w.data.model_copy(update={"validation": 0})})

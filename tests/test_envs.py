@@ -14,7 +14,7 @@ from typing import Optional
 
 import pytest
 
-from benchbackend import envs, pins
+from benchbackend.backends import envs, pins
 from benchbackend.errors import EnvError
 
 PROBE = envs.Probe("demo", "demo.module:DemoBackend", {})

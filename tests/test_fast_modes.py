@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchbackend import backends, checks
-from benchbackend import workload as W
-from benchbackend.launch import Job
-from benchbackend.worker import run_job
+from benchbackend.backends import registry as backends
+from benchbackend.run import checks
+from benchbackend.run.launch import Job
+from benchbackend.run.worker import run_job
+from benchbackend.spec import workload as W
 from conftest import job_arrays, requires_tf, requires_torch
 
 pytestmark = pytest.mark.slow  # every test here starts a framework's worker or trains one
@@ -123,8 +124,8 @@ def test_fp16_on_cpu_is_unavailable(arrays: Path, backend: str, mode: str, reaso
 
 @requires_tf
 def test_tensorflow_bf16_computes_in_bfloat16_with_float32_output() -> None:
-    from benchbackend.backends.tensorflow import TensorFlowBackend
-    from benchbackend.model import initial_weights
+    from benchbackend.backends.tensorflow.adapter import TensorFlowBackend
+    from benchbackend.spec.model import initial_weights
 
     w = W.load("cifar10")
     b = TensorFlowBackend(w, "cpu", "tf.function", "bf16")

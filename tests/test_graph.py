@@ -9,8 +9,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from benchbackend import checks, cli, graph, model, workload
+from benchbackend import cli
 from benchbackend.errors import WorkloadError
+from benchbackend.run import checks
+from benchbackend.spec import graph, model, workload
 from conftest import requires
 
 HEAD = {"name": "g", "data": {"dataset": "synthetic", "input_shape": [16, 16, 3], "num_classes": 4,
@@ -140,7 +142,7 @@ def test_resnet_counts(name):
 def test_keras_count_params_agrees(name):
     import keras
 
-    from benchbackend.backends.keras_layers import keras3_build
+    from benchbackend.backends.keras.layers import keras3_build
 
     w = workload.load(name)
     net = keras3_build(w, keras)
@@ -155,7 +157,7 @@ def test_torch_flop_counter_agrees(name):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from benchbackend.backends.torch_graph import GraphNet
+    from benchbackend.backends.torch.graph import GraphNet
 
     w = workload.load(name)
     net = GraphNet(graph.resolve(w)).eval()

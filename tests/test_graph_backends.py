@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchbackend import workload
-from benchbackend.workload import Workload
+from benchbackend.spec import workload
+from benchbackend.spec.workload import Workload
 from conftest import INFERENCE, TRAINING, any_cell, backend_params, run_cell
 
 
@@ -64,7 +64,7 @@ def test_the_check_fails_when_torch_keeps_its_batchnorm_default(tmp_path, monkey
     import torch
     import torch.nn.functional as F
 
-    from benchbackend.backends import torch_graph
+    from benchbackend.backends.torch import graph as torch_graph
 
     momentum_kind, unbiased, eps = TORCH_DEFAULTS[planted]
 

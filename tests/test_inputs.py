@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import plan, results, workload
+from benchbackend import results
 from benchbackend.cli import main
+from benchbackend.run import plan
+from benchbackend.spec import workload
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["mnist", "-b", "numpy", "--data", "synthetic", "--limit", "200", "--epochs", "1", "--repeats", "1", "-q"]
@@ -119,7 +121,8 @@ def test_sizes_that_make_a_run_doubtful_are_said_before_it(monkeypatch, tmp_path
 
 
 def test_list_probes_once_per_installed_version_and_refreshes_on_request(monkeypatch, tmp_path):
-    from benchbackend import backends, inventory
+    from benchbackend import inventory
+    from benchbackend.backends import registry as backends
 
     monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

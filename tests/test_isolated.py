@@ -64,7 +64,7 @@ FAILING_BUILD = textwrap.dedent('''
 
     import pytest
 
-    from benchbackend import envs
+    from benchbackend.backends import envs
     from benchbackend.errors import EnvError
     from conftest import built_env
 

@@ -7,9 +7,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchbackend import checks, data, model, timing, workload
-from benchbackend.plan import Options
-from benchbackend.workload import Workload
+from benchbackend.data import datasets as data
+from benchbackend.run import checks, timing
+from benchbackend.run.plan import Options
+from benchbackend.spec import model, workload
+from benchbackend.spec.workload import Workload
 from conftest import requires, run_cell
 
 pytestmark = [requires("jax"), pytest.mark.slow]
@@ -47,7 +49,7 @@ def test_forward_parity_and_a_20_step_trajectory_agree_with_the_reference(tmp_pa
 
 @pytest.mark.parametrize("name,factor", [("mnist", 1.5), ("cifar10", 1.1)])
 def test_the_trajectory_check_catches_a_wrong_update_rule(tmp_path, monkeypatch, name, factor):
-    import benchbackend.backends.jax as jb
+    import benchbackend.backends.jax.adapter as jb
 
     real = jb._update
     # An update rule that steps too far (the workload's lr is right; the rule is not). On cifar10,
@@ -79,7 +81,7 @@ def with_dropout(w: Workload) -> Workload:
 # 300 samples at batch 32: 9 full batches and one of 12; K=7: a block of 7, then 2 single steps.
 @pytest.mark.parametrize("name", ["mnist", "cifar10-dropout"])
 def test_scan_trains_exactly_as_jit_with_a_partial_block_and_a_short_batch(name):
-    from benchbackend.backends.jax import JaxBackend
+    from benchbackend.backends.jax.adapter import JaxBackend
 
     w = small(name.removesuffix("-dropout"), limit=300, epochs=2)
     w = with_dropout(w) if name.endswith("-dropout") else w
@@ -99,7 +101,7 @@ def test_scan_trains_exactly_as_jit_with_a_partial_block_and_a_short_batch(name)
 
 
 def test_scan_scores_match_jit_scores():
-    from benchbackend.backends.jax import JaxBackend
+    from benchbackend.backends.jax.adapter import JaxBackend
 
     w = small("mnist", limit=256)
     weights = model.initial_weights(w, 1)
@@ -128,7 +130,7 @@ def test_a_tpu_that_jax_does_not_see_is_an_unavailable_row(tmp_path):
 
 
 def test_an_unknown_device_is_unavailable():
-    from benchbackend.backends.jax import JaxBackend
+    from benchbackend.backends.jax.adapter import JaxBackend
     from benchbackend.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable, match="jax: unknown device 'opencl'"):
@@ -140,7 +142,7 @@ def test_scores_and_epochs_stay_on_the_device_until_the_worker_fetches_them():
     would raise under the guard), and the worker's ``to_host`` + ``sync`` complete them."""
     import jax
 
-    from benchbackend.backends.jax import JaxBackend
+    from benchbackend.backends.jax.adapter import JaxBackend
 
     w = small("mnist", limit=256)
     x, y, orders = arrays(w)

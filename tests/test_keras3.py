@@ -7,8 +7,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchbackend import backends, checks, launch, workload
-from benchbackend.workload import Workload
+from benchbackend.backends import registry as backends
+from benchbackend.run import checks, launch
+from benchbackend.spec import workload
+from benchbackend.spec.workload import Workload
 from conftest import backend_params, missing, spawn_cell
 
 #: Each backend and the framework Keras runs on in it.
@@ -85,7 +87,9 @@ import json, sys
 import numpy as np
 import keras
 from keras.src.trainers.data_adapters import get_data_adapter
-from benchbackend import backends, data, model, workload
+from benchbackend.backends import registry as backends
+from benchbackend.data import datasets as data
+from benchbackend.spec import model, workload
 
 name, fits = sys.argv[1], sys.argv[2] == "fits"
 w = workload.load("mnist").with_overrides(limit=64, epochs=1)

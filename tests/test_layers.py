@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from pydantic import TypeAdapter
 
-from benchbackend import graph as graph_mod
-from benchbackend.backends import _numpy_ops as ops
-from benchbackend.backends.reference import Network, train_step
-from benchbackend.workload import Layer, TrainingSpec
+from benchbackend.backends.numpy import ops
+from benchbackend.backends.numpy.reference import Network, train_step
+from benchbackend.spec import graph as graph_mod
+from benchbackend.spec.workload import Layer, TrainingSpec
 from conftest import numeric_grad
 
 

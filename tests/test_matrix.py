@@ -6,7 +6,8 @@ import math
 import pytest
 import yaml
 
-from benchbackend import checks, results
+from benchbackend import results
+from benchbackend.run import checks
 from conftest import ROOT, cli
 
 
@@ -65,7 +66,7 @@ def test_time_to_accuracy_is_the_training_time_until_the_target(tmp_path):
 @pytest.mark.slow
 def test_a_threads_sweep_is_a_matrix_dimension_whose_counts_never_pool(tmp_path):
     """``--threads 1 --threads 2``: each count its own cells, tags and experiment; a resume knows them apart."""
-    from benchbackend import compare
+    from benchbackend.analysis import compare
 
     out = tmp_path / "threads.csv"
     args = ("run", "mnist", "-b", "numpy", "--threads", "1", "--threads", "2", "--inference-only", "--data",

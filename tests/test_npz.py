@@ -9,8 +9,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from benchbackend import cli, data, workload
+from benchbackend import cli
+from benchbackend.data import datasets as data
 from benchbackend.errors import DataError
+from benchbackend.spec import workload
 
 MODEL = [{"type": "flatten"}, {"type": "dense", "units": 3, "activation": "softmax"}]
 

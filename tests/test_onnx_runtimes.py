@@ -12,9 +12,12 @@ import os
 import numpy as np
 import pytest
 
-from benchbackend import backends, checks, data, model, workload
+from benchbackend.backends import registry as backends
+from benchbackend.data import datasets as data
 from benchbackend.errors import BackendUnavailable
-from benchbackend.plan import Options
+from benchbackend.run import checks
+from benchbackend.run.plan import Options
+from benchbackend.spec import model, workload
 from conftest import have, requires, run_cell
 
 requires_onnx = pytest.mark.skipif(not have("onnx"), reason="onnx is not installed (pip install onnx)")
@@ -56,7 +59,7 @@ def _adapter(runtime: tuple[str, str], w: workload.Workload, precision: str = "f
 def test_graph_is_a_checked_opset_17_model_with_a_dynamic_batch():
     import onnx
 
-    from benchbackend.backends import onnx_graph
+    from benchbackend.backends.onnx import graph as onnx_graph
 
     w = _small("cifar10")
     m = onnx_graph.build_model(w, model.initial_weights(w))
@@ -74,7 +77,8 @@ def test_graph_is_a_checked_opset_17_model_with_a_dynamic_batch():
 def test_graph_matches_the_reference_under_onnx_own_evaluator():
     from onnx.reference import ReferenceEvaluator
 
-    from benchbackend.backends import onnx_graph, reference
+    from benchbackend.backends.numpy import reference
+    from benchbackend.backends.onnx import graph as onnx_graph
 
     w = _small("mnist")
     weights = model.initial_weights(w, 1)
@@ -98,7 +102,7 @@ def test_forward_parity_at_fp32(tmp_path, runtime, name):
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_a_graph_without_the_flatten_permutation_fails_parity(tmp_path, monkeypatch, runtime):
-    from benchbackend.backends import onnx_graph
+    from benchbackend.backends.onnx import graph as onnx_graph
 
     monkeypatch.setattr(onnx_graph, "nhwc_to_nchw_rows", lambda h, w, c: np.arange(h * w * c))
     _, (status, msg) = _run(tmp_path, _small("mnist"), runtime)
@@ -177,7 +181,8 @@ def test_importing_the_openvino_adapter_sends_no_telemetry():
     # background, so the probe waits a moment before it says all was quiet.
     code = ("import os, time\nimport multiprocessing.popen_fork as pf\n"
             "pf.Popen._launch = lambda self, *a: os._exit(3)\n"
-            "import benchbackend.backends.openvino\nimport openvino as ov\nov.Core()\ntime.sleep(3)\nprint('quiet')\n")
+            "import benchbackend.backends.openvino.adapter\nimport openvino as ov\nov.Core()\ntime.sleep(3)\n"
+            "print('quiet')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "quiet" in out.stdout, (out.returncode, out.stderr[-1500:])
 

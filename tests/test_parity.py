@@ -4,7 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchbackend import checks, data, model, worker, workload
+from benchbackend.data import datasets as data
+from benchbackend.run import checks, worker
+from benchbackend.spec import model, workload
 from conftest import requires_tf, requires_torch, run_cell
 
 pytestmark = pytest.mark.slow  # every test here starts a framework's worker or trains one
@@ -68,7 +70,7 @@ def test_a_20_step_cifar10_trajectory_agrees_at_the_workloads_tolerance(tmp_path
 
 @requires_torch
 def test_trajectory_catches_a_wrong_optimizer(tmp_path):
-    from benchbackend.backends.torch import TorchBackend
+    from benchbackend.backends.torch.adapter import TorchBackend
 
     w = _small()
     wrong = w.model_copy(update={"training": w.training.model_copy(update={"lr": w.training.lr * 2})})

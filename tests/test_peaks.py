@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import backends, peaks, results
+from benchbackend import results
+from benchbackend.backends import registry as backends
 from benchbackend.cli import main
+from benchbackend.run import peaks
 from conftest import ROOT, backend_params
 
 LOW = backends.BackendSpec("lowpeak", "support.lazy_backend:LowPeakNumpyBackend", ("numpy",), "numpy", "(test only)",
@@ -121,8 +123,8 @@ def test_the_gemm_probe_reads_what_numpy_measures_at_the_same_sizes(name, monkey
     float32 matmul timed here at the sizes the probe timed (``gemm_rate`` picks them from a pilot
     matmul, so they differ by load and machine). Not a speed test: a sanity bound against the same
     machine, which a FLOP count, a repetition count or a unit off by 10x fails."""
-    from benchbackend import workload
     from benchbackend.backends import base
+    from benchbackend.spec import workload
 
     spec = backends.get(name)
     w = workload.load("mnist").with_overrides(limit=512, epochs=1)

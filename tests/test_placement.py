@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchbackend import backends, data, model, workload
+from benchbackend.backends import registry as backends
+from benchbackend.data import datasets as data
+from benchbackend.spec import model, workload
 from conftest import requires
 
 pytestmark = pytest.mark.slow  # each test builds and trains a framework's network

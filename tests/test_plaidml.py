@@ -19,9 +19,12 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from benchbackend import backends, checks, envs, workload
+from benchbackend.backends import envs
+from benchbackend.backends import registry as backends
 from benchbackend.errors import EnvError
-from benchbackend.workload import Workload
+from benchbackend.run import checks
+from benchbackend.spec import workload
+from benchbackend.spec.workload import Workload
 from conftest import built_env, make_job
 
 pytestmark = [pytest.mark.plaidml, pytest.mark.slow]
@@ -134,10 +137,10 @@ def test_unknown_env_and_default_location(tmp_path: Path) -> None:
 
 def test_worker_path_never_exposes_the_main_site_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     here = Path(envs.__file__).resolve()
-    assert envs.worker_pythonpath() == str(here.parent.parent)  # a checkout: its root
+    assert envs.worker_pythonpath() == str(here.parent.parent.parent)  # a checkout: its root
     pkg = tmp_path / "lib" / "site-packages" / "benchbackend"
-    pkg.mkdir(parents=True)
-    monkeypatch.setattr(envs, "__file__", str(pkg / "envs.py"))
+    (pkg / "backends").mkdir(parents=True)
+    monkeypatch.setattr(envs, "__file__", str(pkg / "backends" / "envs.py"))
     monkeypatch.setenv("BENCHBACKEND_ENVS", str(tmp_path / "envs"))
     path = Path(envs.worker_pythonpath())
     assert [p.name for p in path.iterdir()] == ["benchbackend"] and (path / "benchbackend").resolve() == pkg
@@ -160,7 +163,7 @@ def run_cell(env: envs.EnvStatus, w: Workload, tmp: Path, device: str = "cpu", p
              extra_env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
     spec = backends.BACKENDS["plaidml"]
     job = make_job(tmp, w, "plaidml", device=device, repeat=0, parity_steps=parity_steps)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=job.to_json(), text=True,
+    proc = subprocess.run([str(env.python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
                           capture_output=True, timeout=900,
                           env={**envs.worker_env(), **spec.env(device), **(extra_env or {})})
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]

@@ -13,7 +13,8 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 
-from benchbackend import compare, results, stats, tables
+from benchbackend import results
+from benchbackend.analysis import compare, stats, tables
 
 ENV = {"host": "bench-1", "os": "Linux-6.1", "python": "3.11.7", "cpu": "Xeon x16", "gpu": ""}
 SAMPLES = 1024

@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from benchbackend import compare, experiments, plots, report, results, summary
+from benchbackend import results
+from benchbackend.analysis import compare, experiments, plots, report, summary
 from benchbackend.errors import ResultsError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,7 +190,7 @@ def test_write_report_writes_pngs_and_index(frame: pd.DataFrame, tmp_path: Path)
 
 
 def test_compare_then_plots_puts_the_compare_table_and_warnings_in_the_report(tmp_path: Path) -> None:
-    from benchbackend.compare import run_compare
+    from benchbackend.analysis.compare import run_compare
 
     a = _write(tmp_path / "a.csv", workload_hash="h1", samples=1024)
     b = _write(tmp_path / "b.csv", workload_hash="h2", samples=2000)
@@ -210,7 +211,7 @@ def test_single_epoch_and_unwritable_folder(tmp_path: Path) -> None:
 
 
 def test_importing_plots_does_not_import_matplotlib() -> None:
-    code = "import sys; import benchbackend.plots; print('matplotlib' in sys.modules)"
+    code = "import sys; import benchbackend.analysis.plots; print('matplotlib' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
 
@@ -387,8 +388,8 @@ def test_a_backend_has_one_colour_in_every_report(tmp_path: Path) -> None:
 
 
 def test_every_registered_backend_mode_and_precision_has_its_own_colour() -> None:
-    from benchbackend import backends as registry
-    from benchbackend.style import FAILED_COLOR, FAILED_FACE, color_of
+    from benchbackend.analysis.style import FAILED_COLOR, FAILED_FACE, color_of
+    from benchbackend.backends import registry
 
     combos = [(name, mode, prec) for name, spec in registry.BACKENDS.items()
               for mode in spec.mode_names for prec in spec.precisions]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchbackend import backends, results, workload
+from benchbackend import results
+from benchbackend.backends import registry as backends
 from benchbackend.backends.precision import capability_of, check_tf32
 from benchbackend.errors import BackendUnavailable
+from benchbackend.spec import workload
 from conftest import cli, requires
 
 
@@ -19,7 +21,7 @@ def _mnist():
 def test_torch_fp32_turns_tf32_off_whatever_was_on():
     import torch
 
-    from benchbackend.backends.torch import TorchBackend
+    from benchbackend.backends.torch.adapter import TorchBackend
 
     # torch's own default runs cuDNN convolutions in TF32; someone may have turned matmuls on too.
     torch.backends.cuda.matmul.fp32_precision = "tf32"
@@ -36,7 +38,7 @@ def test_torch_fp32_turns_tf32_off_whatever_was_on():
 def test_tensorflow_fp32_turns_tf32_off():
     import tensorflow as tf
 
-    from benchbackend.backends.tensorflow import TensorFlowBackend
+    from benchbackend.backends.tensorflow.adapter import TensorFlowBackend
 
     tf.config.experimental.enable_tensor_float_32_execution(True)  # TensorFlow's default
     backend = TensorFlowBackend(_mnist(), "cpu", "tf.function", "fp32")
@@ -48,7 +50,7 @@ def test_tensorflow_fp32_turns_tf32_off():
 def test_jax_fp32_asks_the_highest_matmul_precision():
     import jax
 
-    from benchbackend.backends.jax import JaxBackend
+    from benchbackend.backends.jax.adapter import JaxBackend
 
     jax.config.update("jax_default_matmul_precision", None)  # XLA's default: TF32 on an Ampere GPU
     backend = JaxBackend(_mnist(), "cpu", "jit", "fp32")

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from benchbackend import backends, launch, plan
-from benchbackend import workload as W
-from benchbackend.preload import Preloader, Preloaders
+from benchbackend.backends import registry as backends
+from benchbackend.run import launch, plan
+from benchbackend.run.preload import Preloader, Preloaders
+from benchbackend.spec import workload as W
 from conftest import make_job
 
 #: An adapter that logs its module's import (PID per line) and the PID each cell built in.
 PLUGIN = '''
 import os
-from benchbackend.backends.reference import NumpyBackend
+from benchbackend.backends.numpy.reference import NumpyBackend
 
 LOG = os.environ["PRELOAD_TEST_LOG"]
 with open(LOG, "a") as f:
@@ -92,7 +93,7 @@ def test_preloaders_are_killed_when_the_run_ends(tmp_path: Path) -> None:
 def test_a_preloader_exits_when_its_parent_goes(tmp_path: Path) -> None:
     # The parent's end of the socket closes when the parent dies, even by SIGKILL.
     server = Preloader(launch.python_for(backends.get("numpy")), launch.worker_environ(backends.get("numpy")),
-                       "benchbackend.backends.reference:NumpyBackend")
+                       "benchbackend.backends.numpy.reference:NumpyBackend")
     server.sock.close()
     assert server.proc.wait(timeout=30) == 0
 
@@ -100,7 +101,7 @@ def test_a_preloader_exits_when_its_parent_goes(tmp_path: Path) -> None:
 def test_a_worker_that_hangs_is_killed_at_the_timeout(tmp_path: Path) -> None:
     # A hung cell: the forked worker's process group is killed, the preloader serves the next one.
     slow = tmp_path / "slow_plugin.py"
-    slow.write_text("import time\nfrom benchbackend.backends.reference import NumpyBackend\n\n\n"
+    slow.write_text("import time\nfrom benchbackend.backends.numpy.reference import NumpyBackend\n\n\n"
                     "class Hang(NumpyBackend):\n    def build(self, weights):\n        time.sleep(600)\n")
     w = W.load("mnist").with_overrides(limit=64, epochs=1)
     spec = backends.get("numpy")

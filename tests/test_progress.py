@@ -7,8 +7,9 @@ import io
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import plan, progress, workload
 from benchbackend.cli import main
+from benchbackend.run import plan, progress
+from benchbackend.spec import workload
 
 
 class Clock:

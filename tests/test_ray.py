@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from benchbackend import arrays, backends, progress, results, runner, workload
-from benchbackend import plan as planning
-from benchbackend.backends import BackendSpec, Mode
-from benchbackend.executors.local import LocalExecutor
+from benchbackend import results
+from benchbackend.backends import registry as backends
+from benchbackend.backends.registry import BackendSpec, Mode
+from benchbackend.data import arrays
+from benchbackend.run import plan as planning
+from benchbackend.run import progress, runner
+from benchbackend.run.executors.local import LocalExecutor
+from benchbackend.spec import workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +30,7 @@ def cluster():
     """One local cluster for the module (starting Ray costs seconds); executors find it running."""
     import ray
 
-    from benchbackend.executors.ray import local_resources
+    from benchbackend.run.executors.ray import local_resources
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
              resources=local_resources())
@@ -47,7 +51,7 @@ def _run(tmp_path: Path, name: str, plan: planning.RunPlan, executor) -> list:
 
 
 def _ray_executor(**kwargs):
-    from benchbackend.executors.ray import RayExecutor
+    from benchbackend.run.executors.ray import RayExecutor
 
     return RayExecutor(**kwargs)
 
@@ -91,7 +95,8 @@ def test_a_worker_killed_mid_cell_costs_that_cell_only(cluster, tmp_path, monkey
 
 def test_a_group_no_node_can_take_is_unavailable_and_says_why(cluster, tmp_path, monkeypatch):
     # The interpreter makes the driver's install check pass; only the cluster lacks the env.
-    spec = BackendSpec("ghost", "benchbackend.backends.reference:NumpyBackend", ("numpy",), "numpy", "(test only)",
+    spec = BackendSpec("ghost", "benchbackend.backends.numpy.reference:NumpyBackend", ("numpy",), "numpy",
+                       "(test only)",
                        "the NumPy reference in an isolated env no node has",
                        modes=(Mode("reference", "NumPy, batch by batch"),), isolated_env="ghost",
                        python=sys.executable)
@@ -120,7 +125,7 @@ def test_gpu_cells_on_a_cluster_without_gpus_are_unavailable(cluster, tmp_path, 
 
 def test_an_unreachable_address_is_one_line_cluster_error(tmp_path):
     from benchbackend.errors import BenchError
-    from benchbackend.executors.ray import ClusterError
+    from benchbackend.run.executors.ray import ClusterError
 
     for address, says in [("127.0.0.1:1", "cannot reach the Ray cluster at 127.0.0.1:1"),
                           ("no-port-here", "expected HOST:PORT")]:
@@ -131,7 +136,7 @@ def test_an_unreachable_address_is_one_line_cluster_error(tmp_path):
 
 
 def test_cells_per_node_shares_a_node_cpus():
-    from benchbackend.executors.ray import RayExecutor, _Session
+    from benchbackend.run.executors.ray import RayExecutor, _Session
 
     node = {"Resources": {"CPU": 16.0}}
     share = {n: _Session(RayExecutor(cells_per_node=n), tasks=[])._cpus(node) for n in (None, 1, 3, 32)}
@@ -177,7 +182,7 @@ def test_two_cells_per_node_run_side_by_side_with_half_the_threads_each(cluster,
 
 
 def test_synthetic_data_is_made_on_the_node_checked_and_cached(cluster, tmp_path):
-    from benchbackend.executors.ray_node import node_cache
+    from benchbackend.run.executors.ray_node import node_cache
 
     plan = _plan(tmp_path, "made", limit=512, epochs=2)  # enough SGD steps to clear the chance check
     expected = arrays.prepare(plan.workloads[0], "synthetic", None, tmp_path / "here.npz").sha256
@@ -193,7 +198,7 @@ def test_synthetic_data_is_made_on_the_node_checked_and_cached(cluster, tmp_path
 
 def test_data_a_node_cannot_make_or_see_is_fetched_once_then_cached_and_always_checked(cluster, tmp_path,
                                                                                       monkeypatch):
-    from benchbackend.executors.ray_node import DataSource, materialize, node_cache
+    from benchbackend.run.executors.ray_node import DataSource, materialize, node_cache
 
     monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path / "cache"))
     w = workload.load("mnist").with_overrides(limit=64)

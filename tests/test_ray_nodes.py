@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 from support import scale
 
-from benchbackend import backends, results, runner, workload
-from benchbackend import plan as planning
-from benchbackend.backends import BackendSpec, Mode
+from benchbackend import results
+from benchbackend.backends import registry as backends
+from benchbackend.backends.registry import BackendSpec, Mode
+from benchbackend.run import plan as planning
+from benchbackend.run import runner
+from benchbackend.spec import workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +40,7 @@ def nodes(cluster):
 
 
 def _executor(**kwargs):
-    from benchbackend.executors.ray import RayExecutor
+    from benchbackend.run.executors.ray import RayExecutor
 
     return RayExecutor(**kwargs)
 
@@ -104,7 +107,7 @@ def test_a_node_removed_mid_cell_costs_that_cell_only(nodes, tmp_path, monkeypat
         epochs = rows[rows.phase == "train_epoch"]["epoch"].tolist()
         assert sorted(epochs) == list(range(1, len(epochs) + 1)) and len(epochs) in (2, 3), (o, attempt)
     # The compared rows leave the lost attempt out.
-    from benchbackend import experiments
+    from benchbackend.analysis import experiments
 
     assert not experiments.for_comparison(df)["status"].isin(["retried"]).any()
 

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 from support import scale
 
-from benchbackend import backends, progress, results, runner, workload
-from benchbackend import plan as planning
+from benchbackend import results
+from benchbackend.backends import registry as backends
+from benchbackend.run import plan as planning
+from benchbackend.run import progress, runner
+from benchbackend.spec import workload
 from conftest import requires_torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +30,7 @@ pytestmark = [pytest.mark.slow, requires_torch,
                                  is None, reason="Ray Train is not installed (pip install 'benchbackend[ray]')")]
 
 try:
-    from benchbackend.backends.torch_ddp import TorchDDPBackend
+    from benchbackend.backends.torch.replicas import TorchDDPBackend
 except ImportError:  # torch absent: the module skips
     TorchDDPBackend = object
 
@@ -70,7 +73,7 @@ def two_nodes(cluster):
 
 
 def _run(tmp_path: Path, plan: planning.RunPlan) -> list:
-    from benchbackend.executors.ray import RayExecutor
+    from benchbackend.run.executors.ray import RayExecutor
 
     return runner.Runner(plan, RayExecutor(), results.CsvWriter(tmp_path / "out.csv")).run()
 
@@ -82,7 +85,7 @@ def _plan(choices: list[planning.Choice], epochs: int) -> planning.RunPlan:
 
 
 def test_replicas_reserve_whole_nodes_where_there_are_enough_and_share_them_where_not():
-    from benchbackend.executors.ray_train import replica_cpus
+    from benchbackend.run.executors.ray_train import replica_cpus
 
     def node(cpus, **extra):
         return {"Resources": {"CPU": cpus, **extra}}
@@ -162,7 +165,7 @@ def test_a_node_lost_mid_cell_crashes_that_cell_and_keeps_every_row_written(two_
 def test_ctrl_c_stops_the_replicas_and_gives_their_nodes_back(two_nodes, tmp_path):
     import ray
 
-    from benchbackend.executors.ray import RayExecutor
+    from benchbackend.run.executors.ray import RayExecutor
 
     class Interrupting(progress.Display):
         def note(self, text: str) -> None:

@@ -18,15 +18,14 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
-from benchbackend import workload as wl_mod
-from benchbackend.backends import _numpy_ops as ops
-from benchbackend.backends import reference
-from benchbackend.backends.reference import Network, NumpyBackend
-from benchbackend.checks import chance_accuracy, parity_errors
+from benchbackend.backends.numpy import ops, reference
+from benchbackend.backends.numpy.reference import Network, NumpyBackend
 from benchbackend.errors import BackendUnavailable
-from benchbackend.graph import resolve_layers
-from benchbackend.model import conv_out, initial_weights, nhwc_to_nchw_rows, param_count, same_pads
-from benchbackend.workload import Conv2D, Dense, Flatten, Layer, MaxPool2D
+from benchbackend.run.checks import chance_accuracy, parity_errors
+from benchbackend.spec import workload as wl_mod
+from benchbackend.spec.graph import resolve_layers
+from benchbackend.spec.model import conv_out, initial_weights, nhwc_to_nchw_rows, param_count, same_pads
+from benchbackend.spec.workload import Conv2D, Dense, Flatten, Layer, MaxPool2D
 from conftest import numeric_grad
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before any test imports TensorFlow
@@ -226,7 +225,7 @@ def mnist(limit: int = 512, **training: Any) -> wl_mod.Workload:
 
 
 def arrays(wl: wl_mod.Workload) -> tuple[np.ndarray, ...]:
-    from benchbackend import data
+    from benchbackend.data import datasets as data
 
     ds = data.synthetic(wl)
     return (data.normalize(ds.x_train), ds.y_train, data.normalize(ds.x_val), ds.y_val,
@@ -234,8 +233,8 @@ def arrays(wl: wl_mod.Workload) -> tuple[np.ndarray, ...]:
 
 
 def test_backend_trains_mnist_above_chance() -> None:
-    from benchbackend.data import epoch_orders
-    from benchbackend.worker import Cell
+    from benchbackend.data.datasets import epoch_orders
+    from benchbackend.run.worker import Cell
 
     wl = mnist(512)
     backend = NumpyBackend(wl, "cpu", "reference")
@@ -332,7 +331,7 @@ def test_library_modules_import_no_framework() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, benchbackend.backends.reference as r, benchbackend.backends._numpy_ops; "
+    code = ("import sys, benchbackend.backends.numpy.reference as r, benchbackend.backends.numpy.ops; "
             "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'cupy') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
@@ -529,7 +528,7 @@ def test_network_forward_matches_torch_with_nchw_flatten(torch: Any, conv: dict[
 def test_the_reference_trajectory_is_computed_once_and_kept(tmp_path, monkeypatch) -> None:
     """The float64 trajectory every backend of a definition is compared with is cached on disk,
     keyed by what it depends on: the same inputs come back from the cache, other weights do not."""
-    from benchbackend import truth
+    from benchbackend.run import truth
 
     monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path))
     wl = wl_mod.load("mnist").with_overrides(limit=64)

@@ -1,4 +1,4 @@
-"""Data parallel (``--replicas N``, issue 22): the semantics (``benchbackend.replicas``), the matrix
+"""Data parallel (``--replicas N``, issue 22): the semantics (``benchbackend.spec.replicas``), the matrix
 dimension and its CSV column, and replica parity on real DistributedDataParallel processes over
 gloo, where each planted trap (summed gradients, lr times N, overlapping shards, a dropped
 remainder) must end ``parity_mismatch`` while the honest adapter on the same cell ends ``ok``.
@@ -14,8 +14,9 @@ import pytest
 from click.testing import CliRunner
 from support import replica_traps
 
-from benchbackend import checks, plan, replicas, workload
 from benchbackend.cli import main
+from benchbackend.run import checks, plan, truth
+from benchbackend.spec import replicas, workload
 from conftest import one_line_error, requires_torch, run_cell
 
 # --- the semantics, no framework -------------------------------------------------------------------
@@ -124,7 +125,7 @@ def _workload(lr: float = 0.05, batchnorm: bool = False):
 
 def _cell(tmp_path: Path, w, n: int, target: str | None = None, scale_lr: str = "none"):
     """(status, message, rows) of one torch cell of ``n`` replicas, one thread each."""
-    from benchbackend.plan import Options
+    from benchbackend.run.plan import Options
 
     fields = {"target": f"test_replicas:{target}"} if target else {}
     msgs, rows = run_cell(tmp_path, w, "torch", parity_steps=STEPS,
@@ -165,8 +166,7 @@ def test_scale_lr_linear_is_checked_against_the_reference_at_that_lr(tmp_path):
 @requires_torch
 @pytest.mark.slow
 def test_batchnorm_uses_per_replica_statistics_and_the_reference_does_too(tmp_path):
-    from benchbackend import truth
-    from benchbackend.model import initial_weights
+    from benchbackend.spec.model import initial_weights
 
     w = _workload(lr=0.01, batchnorm=True)  # mnist's own lr (at 0.05 step 4 drifts by 1.5e-3: see the report)
     status, message, rows = _cell(tmp_path, w, 2)
@@ -179,7 +179,7 @@ def test_batchnorm_uses_per_replica_statistics_and_the_reference_does_too(tmp_pa
     y = np.arange(BATCH) % 10
     weights = initial_weights(w, 1)
     single = truth.trajectory(w, weights, [(x, y)] * 2)
-    sharded = replicas.sharded_losses(w, weights, [(x, y)] * 2, 2)
+    sharded = truth.sharded_losses(w, weights, [(x, y)] * 2, 2)
     assert abs(sharded[0] - single[0]) > 1e-3 * single[0]
 
 
@@ -188,7 +188,7 @@ try:
     import torch
     import torch.distributed as dist
 
-    from benchbackend.backends.torch_ddp import TorchDDPBackend
+    from benchbackend.backends.torch.replicas import TorchDDPBackend
 except ImportError:  # torch absent: the tests that use them skip
     TorchDDPBackend = object
 
@@ -274,7 +274,7 @@ def test_comm_seconds_is_the_gradient_allreduce_time_since_the_last_call():
     import math
     import time
 
-    from benchbackend.model import initial_weights
+    from benchbackend.spec.model import initial_weights
 
     w = _workload()
     rng = np.random.default_rng(0)
@@ -305,7 +305,7 @@ def test_comm_seconds_is_the_gradient_allreduce_time_since_the_last_call():
 def test_compare_keeps_n_replicas_apart_from_one():
     import pandas as pd
 
-    from benchbackend import experiments
+    from benchbackend.analysis import experiments
 
     rows = [{"status": "ok", "workload": "mnist", "workload_hash": "h", "data_source": "synthetic", "backend": "torch",
              "mode": "eager", "precision": "fp32", "requested_device": "cpu", "device": "cpu", "replicas": n,

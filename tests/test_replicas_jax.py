@@ -1,5 +1,5 @@
 """JAX data parallel (``--replicas N``, issue 22): the batch sharded over N host devices with
-``jax.shard_map``, held to ``benchbackend.replicas``. An honest 2-replica cell (through a
+``jax.shard_map``, held to ``benchbackend.spec.replicas``. An honest 2-replica cell (through a
 preloaded, forked worker, as ``run`` starts CPU cells), a batchnorm one and one with fewer samples
 than replicas in the last batch end ``ok`` with replica parity; each planted trap (summed
 gradients, lr times N, overlapping shards, a dropped remainder) ends ``parity_mismatch``.
@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 from support import replica_traps
 
-from benchbackend import backends, checks, launch, plan, replicas, truth, workload
-from benchbackend.data import normalize
-from benchbackend.messages import Info, Row
-from benchbackend.model import initial_weights
-from benchbackend.preload import Preloaders
+from benchbackend.backends import registry as backends
+from benchbackend.data.datasets import normalize
+from benchbackend.run import checks, launch, plan, truth
+from benchbackend.run.messages import Info, Row
+from benchbackend.run.preload import Preloaders
+from benchbackend.spec import replicas, workload
+from benchbackend.spec.model import initial_weights
 from conftest import make_job, requires, run_cell
 
 pytestmark = [requires("jax"), pytest.mark.slow]
@@ -78,7 +80,7 @@ def _trajectory(rows: list[dict]) -> dict:
 
 
 def test_the_layout_pads_each_shard_to_the_largest_and_keeps_every_sample_once():
-    from benchbackend.backends.jax_sharding import layout
+    from benchbackend.backends.jax.sharding import layout
 
     def split(size):
         return [(a, b, w) for (a, b), w in zip(replicas.shards(size, 2), replicas.weights(size, 2))]
@@ -111,7 +113,7 @@ class Recorded:
 try:
     from jax import lax
 
-    from benchbackend.backends.jax_replicas import AXIS, JaxShardedBackend
+    from benchbackend.backends.jax.replicas import AXIS, JaxShardedBackend
 except ImportError:  # jax absent: the tests that use them skip
     JaxShardedBackend = object
 
@@ -194,9 +196,9 @@ def test_each_planted_trap_is_caught_by_replica_parity(tmp_path, trap):
 
 def test_a_process_whose_cpu_backend_started_with_one_device_is_unavailable_in_one_line():
     script = ("import jax; jax.devices()\n"
-              "from benchbackend import workload\n"
+              "from benchbackend.spec import workload\n"
               "from benchbackend.errors import BackendUnavailable\n"
-              "from benchbackend.backends.jax_replicas import JaxShardedBackend\n"
+              "from benchbackend.backends.jax.replicas import JaxShardedBackend\n"
               "try:\n"
               "    JaxShardedBackend(workload.load('mnist'), 'cpu', options={'replicas': 2})\n"
               "except BackendUnavailable as exc:\n"

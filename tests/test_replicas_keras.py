@@ -20,10 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchbackend import backends, checks, launch, plan, workload
-from benchbackend.messages import Row
-from benchbackend.plan import Options
-from benchbackend.preload import Preloaders
+from benchbackend.backends import registry as backends
+from benchbackend.run import checks, launch, plan
+from benchbackend.run.messages import Row
+from benchbackend.run.plan import Options
+from benchbackend.run.preload import Preloaders
+from benchbackend.spec import workload
 from conftest import ROOT, make_job, requires, run_cell, spawn_cell
 
 pytestmark = [requires("keras-jax"), pytest.mark.slow]
@@ -49,7 +51,7 @@ def _preloaded_cell(tmp_path: Path, w: workload.Workload, preloaders: Preloaders
     preloader that has imported the adapter (keras, jax) as a run's CPU cells are."""
     spec = backends.get("keras-jax")
     job = make_job(tmp_path, w, "keras-jax", parity_steps=STEPS, options=Options(replicas=2, threads=1))
-    assert job.target.endswith("keras_replicas:KerasJaxDataParallelBackend")
+    assert job.target.endswith("keras.replicas:KerasJaxDataParallelBackend")
     cell = plan.Cell(w, plan.Choice("keras-jax", job.mode, job.precision, replicas=2), 1, 1, 0)
     messages = launch.stream(cell, launch.python_for(spec), launch.worker_environ(spec, "cpu"), job, 600,
                              preloaders=preloaders)
@@ -103,7 +105,7 @@ def test_a_batchnorm_network_is_unavailable_saying_why(tmp_path, preloaders):
 # --- the traps: each a plausible SPMD data-parallel bug, planted in the real adapter ---------------
 
 if os.environ.get("KERAS_BACKEND") == "jax":  # a keras-jax worker importing its trap
-    from benchbackend.backends.keras_replicas import KerasJaxDataParallelBackend, padded
+    from benchbackend.backends.keras.replicas import KerasJaxDataParallelBackend, padded
 
     class LossTimesN(KerasJaxDataParallelBackend):
         """Summed, not averaged: the replicas' mean losses added up (N times the global mean)."""

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from support import replica_traps
 
-from benchbackend import checks, workload
+from benchbackend.run import checks
+from benchbackend.spec import workload
 from conftest import ROOT, requires_tf, run_cell, spawn_cell
 
 pytestmark = [requires_tf, pytest.mark.slow]  # every test here starts TensorFlow's worker
@@ -46,7 +47,7 @@ def _importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _cell(tmp_path: Path, w, n: int = 2, target: str | None = None, mode: str = "tf.function"):
     """(status, message, rows) of one TensorFlow cell of ``n`` replicas, one thread each."""
-    from benchbackend.plan import Options
+    from benchbackend.run.plan import Options
 
     fields = {"target": f"test_replicas_tensorflow:{target}"} if target else {}
     rows, outcome, _ = spawn_cell(tmp_path, w, "tensorflow", parity_steps=STEPS, mode=mode,
@@ -81,7 +82,7 @@ def test_batchnorm_uses_per_replica_statistics_and_a_replica_without_samples_joi
     # 97 samples: the fourth step's global batch is a single sample, so replica 1 gets none and
     # joins the average with a zero-weighted stand-in; replica 0's shard of one sample has
     # batch statistics of its own. The reference computes the statistics per shard
-    # (replicas.sharded_losses), which the worker picks for a batchnorm network.
+    # (truth.sharded_losses), which the worker picks for a batchnorm network.
     w = _workload(lr=0.01, batchnorm=True, samples=97)
     status, message, rows = _cell(tmp_path, w)
     assert status == "ok", message
@@ -90,7 +91,7 @@ def test_batchnorm_uses_per_replica_statistics_and_a_replica_without_samples_joi
 
 # The traps: each is a plausible data-parallel bug, planted in the real adapter.
 try:
-    from benchbackend.backends.tensorflow_replicas import TensorFlowMirroredBackend
+    from benchbackend.backends.tensorflow.replicas import TensorFlowMirroredBackend
 except ImportError:  # TensorFlow absent: the tests that use them skip
     TensorFlowMirroredBackend = object
 

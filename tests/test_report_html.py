@@ -9,7 +9,8 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from benchbackend import compare, page, report, results
+from benchbackend import results
+from benchbackend.analysis import compare, page, report
 
 ENV = {"host": "bench-1", "os": "Linux-6.1", "python": "3.11.7", "cpu": "Xeon x16", "gpu": ""}
 TIMES = {"torch": 1.0, "numpy": 2.0}

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import compare, results
+from benchbackend import results
+from benchbackend.analysis import compare
 from benchbackend.cli import main
 
 REASON = "validation accuracy too low: the run row's reason"
@@ -78,8 +79,8 @@ def test_one_function_gives_every_consumer_its_warnings(monkeypatch, tmp_path):
 
 
 def test_a_failed_cells_reason_is_its_run_rows_message_everywhere(monkeypatch, tmp_path):
-    from benchbackend import runner
-    from benchbackend.backends.reference import NumpyBackend
+    from benchbackend.backends.numpy.reference import NumpyBackend
+    from benchbackend.run import runner
 
     monkeypatch.setattr(NumpyBackend, "details", lambda self: {"cpu_capability": "AVX512"})
     monkeypatch.setattr(runner.checks, "cell_status", lambda *a, **k: ("chance_accuracy", REASON))

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from benchbackend import results, resume
+from benchbackend import results
+from benchbackend.run import resume
 from conftest import ROOT, cli, invoke, one_line_error
 
 RUN = ["run", "mnist", "-b", "numpy", "--data", "synthetic", "--limit", "256", "--epochs", "2", "--repeats", "6",

@@ -36,7 +36,7 @@ def test_smoke_run_both_backends_ok(tmp_path):
               "--epochs", "2", "--repeats", "2", "-o", str(out_csv))
     assert out.returncode == 0, out.stderr[-3000:]
     df = results.read(out_csv)
-    assert list(df.columns[:len(results.BASE_COLUMNS)]) == results.BASE_COLUMNS
+    assert list(df.columns[:len(results.COLUMNS)]) == results.COLUMNS
     assert set(df["status"]) == {"ok"}
     for wl in ("mnist", "cifar10"):
         for be in ("torch", "tensorflow"):
@@ -114,9 +114,10 @@ kill -9 $$
 
 def run_with_fake_interpreter(tmp_path, monkeypatch, script: str, repeats: int):
     """A real Runner whose workers are started by ``script`` instead of Python."""
-    from benchbackend import plan as planning
-    from benchbackend import runner, workload
-    from benchbackend.executors import local
+    from benchbackend.run import plan as planning
+    from benchbackend.run import runner
+    from benchbackend.run.executors import local
+    from benchbackend.spec import workload
 
     fake = tmp_path / "fakepython"
     fake.write_text(script)
@@ -296,7 +297,7 @@ def test_workload_names_are_plain_and_match_their_file(tmp_path):
 
 
 def test_diverged_is_judged_against_a_uniform_guess_not_the_first_epoch():
-    from benchbackend import checks
+    from benchbackend.run import checks
 
     # TensorFlow's mnist at lr 1e6: the loss explodes inside epoch 1 and stays huge.
     assert checks.diverged([1.31e20, 4.77e5, 4.61e5], 10, 1e3)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from support import scale
 
-from benchbackend import results, runner
-from benchbackend.executors.local import LocalExecutor
+from benchbackend import results
+from benchbackend.run import runner
+from benchbackend.run.executors.local import LocalExecutor
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def test_many_cells_on_the_local_executor(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                     reason="Ray is not installed (pip install 'benchbackend[ray]')")
 def test_many_cells_on_a_simulated_four_node_cluster(tmp_path):
-    from benchbackend.executors.ray import RayExecutor
+    from benchbackend.run.executors.ray import RayExecutor
 
     out = tmp_path / "ray.csv"
     with scale.simulated_cluster(4) as cluster:

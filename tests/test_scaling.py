@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import compare, experiments, replicas, report, results, workload
+from benchbackend import results
+from benchbackend.analysis import compare, experiments, report
 from benchbackend.cli import main
+from benchbackend.spec import replicas, workload
 from conftest import requires_torch, run_cell
 
 #: (replicas, scaling, steady epoch seconds of repeats 1..3)
@@ -107,8 +109,8 @@ def test_scaling_is_in_the_help_and_a_bad_value_is_one_line():
 @requires_torch
 @pytest.mark.slow
 def test_two_weak_replicas_train_twice_the_batch_and_match_the_reference_there(tmp_path):
-    from benchbackend import checks
-    from benchbackend.plan import Options
+    from benchbackend.run import checks
+    from benchbackend.run.plan import Options
 
     w = workload.load("mnist").with_overrides(limit=96, epochs=1, batch_size=16)
     msgs, rows = run_cell(tmp_path, w, "torch", parity_steps=3, options=Options(replicas=2, threads=1, scaling="weak"))

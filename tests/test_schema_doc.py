@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from benchbackend import schema
 from benchbackend.cli import main
-from benchbackend.layers import LAYER_CLASSES
+from benchbackend.spec import schema
+from benchbackend.spec.layers import LAYER_CLASSES
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -90,7 +90,7 @@ def test_schema_command_prints_the_reference_and_updates_a_file(tmp_path: Path) 
 def test_a_changed_model_changes_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     from pydantic import Field, create_model
 
-    from benchbackend.workload import InferenceSpec
+    from benchbackend.spec.workload import InferenceSpec
 
     changed = create_model("InferenceSpec", __base__=InferenceSpec,
                            batch_size=(int, Field(default=64, gt=0)))
@@ -98,3 +98,16 @@ def test_a_changed_model_changes_the_reference(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(schema, "SECTIONS", sections)
     assert _row(schema.markdown(), "inference", "batch_size")[2] == "`64`"
     assert schema.block() != schema.current_block(README.read_text(encoding="utf-8"))
+
+
+def test_the_readme_holds_the_generated_column_reference() -> None:
+    """The CSV's columns are declared once (``columns.DECLARED``); the README's table is generated
+    from there: run `benchbackend schema --update README.md` after adding one."""
+    from benchbackend import columns, results
+
+    text = README.read_text(encoding="utf-8")
+    assert columns.current_block(text) == columns.block(), "run: benchbackend schema --update README.md"
+    assert results.COLUMNS == [c.name for c in columns.DECLARED]
+    assert all(f"| `{name}` |" in columns.markdown() for name in results.COLUMNS)
+    assert max(c.version for c in columns.DECLARED) == results.SCHEMA_VERSION
+    assert set(results.NUMERIC) == {c.name for c in columns.DECLARED if c.kind == "number"} - {"schema_version"}

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchbackend import experiments, stats, summary, tables
-from benchbackend.experiments import GroupKey
+from benchbackend.analysis import experiments, stats, summary, tables
+from benchbackend.analysis.experiments import GroupKey
 
 SIMULATIONS = 2000
 _TEXT = re.compile(r"^(faster|slower|not significant): ([\d.]+)x \[([\d.]+)-([\d.]+)\]$")

@@ -15,7 +15,10 @@ import pytest
 from support import lazy_backend
 from support.lazy_backend import COPY_SECONDS, DEVICE_SECONDS
 
-from benchbackend import backends, data, model, timing, workload
+from benchbackend.backends import registry as backends
+from benchbackend.data import datasets as data
+from benchbackend.run import timing
+from benchbackend.spec import model, workload
 from conftest import backend_params, run_cell
 
 
@@ -61,7 +64,7 @@ def test_the_copy_of_the_arrays_to_the_device_is_timed_in_build_and_in_no_epoch_
 def test_arrays_that_do_not_fit_are_copied_per_batch_and_the_build_row_says_why(tmp_path, monkeypatch):
     """Where the framework reports less free device memory than twice the arrays, the cell runs
     with host arrays (each batch copied in the clock), ``data_on_device`` False and the reason noted."""
-    from benchbackend.backends.reference import NumpyBackend
+    from benchbackend.backends.numpy.reference import NumpyBackend
 
     monkeypatch.setattr(NumpyBackend, "free_device_bytes", lambda self: 1000)
     w = workload.load("mnist").with_overrides(limit=64, epochs=1)

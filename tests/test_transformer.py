@@ -12,15 +12,17 @@ import numpy as np
 import pytest
 from pydantic import TypeAdapter
 
-from benchbackend import graph as graph_mod
-from benchbackend import model, plan, results, workload
-from benchbackend.backends import BACKENDS
-from benchbackend.backends import _numpy_transformer as tr
-from benchbackend.backends.reference import Network, forward
+from benchbackend import results
+from benchbackend.backends.numpy import transformer as tr
+from benchbackend.backends.numpy.reference import Network, forward
+from benchbackend.backends.registry import BACKENDS
 from benchbackend.backends.spec import CNN_LAYERS, TRANSFORMER_LAYERS, Mode
 from benchbackend.errors import WorkloadError
-from benchbackend.layers import GELU_TANH, LAYER_TYPES, activation_name
-from benchbackend.workload import Layer
+from benchbackend.run import plan
+from benchbackend.spec import graph as graph_mod
+from benchbackend.spec import model, workload
+from benchbackend.spec.layers import GELU_TANH, LAYER_TYPES, activation_name
+from benchbackend.spec.workload import Layer
 from conftest import numeric_grad
 
 EMBED = [{"type": "conv2d", "filters": 6, "kernel_size": 2, "stride": 2, "padding": "valid"}, {"type": "tokens"}]

@@ -18,9 +18,9 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from benchbackend import checks
-from benchbackend import workload as W
-from benchbackend.plan import Options
+from benchbackend.run import checks
+from benchbackend.run.plan import Options
+from benchbackend.spec import workload as W
 from conftest import requires, run_cell, spawn_cell
 
 pytestmark = [requires("tvm"), pytest.mark.slow]
@@ -105,8 +105,8 @@ def test_default_schedule_runs_every_kernel_in_parallel_and_vectorized() -> None
     import tvm
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    from benchbackend.backends.tvm import host_target, relax_module
-    from benchbackend.backends.tvm_schedule import schedule_pass
+    from benchbackend.backends.tvm.adapter import host_target, relax_module
+    from benchbackend.backends.tvm.schedule import schedule_pass
 
     target = host_target(2)
     with target:
@@ -127,9 +127,9 @@ def test_default_schedule_gives_the_unscheduled_loops_results_bit_for_bit(name: 
     import tvm
     from tvm import relax
 
-    from benchbackend.backends.tvm import device_params, host_target, relax_module
-    from benchbackend.backends.tvm_schedule import default_pipeline
-    from benchbackend.model import initial_weights
+    from benchbackend.backends.tvm.adapter import device_params, host_target, relax_module
+    from benchbackend.backends.tvm.schedule import default_pipeline
+    from benchbackend.spec.model import initial_weights
 
     w = W.load(name)
     target, dev = host_target(2), tvm.cpu(0)
@@ -144,9 +144,9 @@ def test_default_schedule_gives_the_unscheduled_loops_results_bit_for_bit(name: 
 
 
 def test_scores_drop_the_padding_of_a_short_last_batch() -> None:
-    from benchbackend.backends import reference
-    from benchbackend.backends.tvm import TVMBackend
-    from benchbackend.model import initial_weights
+    from benchbackend.backends.numpy import reference
+    from benchbackend.backends.tvm.adapter import TVMBackend
+    from benchbackend.spec.model import initial_weights
 
     w = W.load("mnist").with_overrides(limit=64)
     weights = initial_weights(w)
@@ -160,7 +160,7 @@ def test_scores_drop_the_padding_of_a_short_last_batch() -> None:
 
 
 def test_a_wrong_kernel_layout_fails_parity(tmp_path: Path) -> None:
-    from benchbackend.backends import tvm as tvm_backend
+    from benchbackend.backends.tvm import adapter as tvm_backend
 
     real = tvm_backend.device_params
 
@@ -175,7 +175,7 @@ def test_a_wrong_kernel_layout_fails_parity(tmp_path: Path) -> None:
 
 
 def test_gpu_is_unavailable() -> None:
-    from benchbackend.backends.tvm import TVMBackend
+    from benchbackend.backends.tvm.adapter import TVMBackend
     from benchbackend.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable, match="host CPU"):
@@ -197,8 +197,8 @@ def test_tuned_mode_searches_writes_the_database_and_matches_the_reference(tuned
 
 
 def test_a_second_tune_reuses_the_database(tuned_rows: list[dict[str, Any]], cache: Path) -> None:
-    from benchbackend.backends.tvm import TVMBackend
-    from benchbackend.model import initial_weights
+    from benchbackend.backends.tvm.adapter import TVMBackend
+    from benchbackend.spec.model import initial_weights
 
     (folder,) = (cache / "tvm").iterdir()
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
@@ -227,8 +227,8 @@ def test_tuned_kernels_keep_their_searched_schedule_and_the_rest_get_the_rule(tu
     from tvm.relax.transform import MetaScheduleApplyDatabase
     from tvm.s_tir import meta_schedule as ms
 
-    from benchbackend.backends.tvm import host_target, relax_module
-    from benchbackend.backends.tvm_schedule import schedule_pass
+    from benchbackend.backends.tvm.adapter import host_target, relax_module
+    from benchbackend.backends.tvm.schedule import schedule_pass
 
     (folder,) = (cache / "tvm").iterdir()
     database = ms.database.JSONDatabase(str(folder / "workloads.json"), str(folder / "records.json"))

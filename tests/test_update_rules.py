@@ -13,8 +13,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from benchbackend import model, workload
-from benchbackend.backends import _numpy_ops as ops
+from benchbackend.backends.numpy import ops
+from benchbackend.spec import model, workload
 
 STEPS = 30
 
@@ -58,7 +58,7 @@ def torch_steps(w: workload.Workload):
     The loss ``sum(p * g)`` has gradient ``g`` in ``p`` and none elsewhere (torch skips those)."""
     import torch
 
-    from benchbackend.backends.torch import TorchBackend
+    from benchbackend.backends.torch.adapter import TorchBackend
 
     b = TorchBackend(w, "cpu", "eager", "fp32", {})
     b.build(model.initial_weights(w))
@@ -101,7 +101,7 @@ def test_the_jax_adapter_steps_as_keras(optimizer, lr, momentum):
     import jax
     import jax.numpy as jnp
 
-    from benchbackend.backends import jax as jb
+    from benchbackend.backends.jax import adapter as jb
 
     p0 = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
     grads = gradients(p0.shape, 0)
@@ -139,7 +139,7 @@ def test_torch_nesterov_and_decoupled_decay_step_as_keras(decay):
 def test_the_jax_nesterov_steps_as_keras():
     import jax.numpy as jnp
 
-    from benchbackend.backends import jax as jb
+    from benchbackend.backends.jax import adapter as jb
 
     p0 = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
     grads = gradients(p0.shape, 0)

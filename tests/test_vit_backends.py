@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from support.vit import PARITY_RTOL, trap, vit_tiny_smoke
 
-from benchbackend import checks, model
-from benchbackend.backends import BACKENDS
-from benchbackend.backends import _numpy_transformer as tr
-from benchbackend.backends.reference import forward
+from benchbackend.backends.numpy import transformer as tr
+from benchbackend.backends.numpy.reference import forward
+from benchbackend.backends.registry import BACKENDS
+from benchbackend.run import checks
+from benchbackend.spec import model
 from conftest import INFERENCE, TRAINING, any_cell, backend_params
 
 VIT_WORDS = model.vocabulary(trap())

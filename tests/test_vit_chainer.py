@@ -13,8 +13,9 @@ from typing import Optional
 import pytest
 from support.vit import PARITY_RTOL, trap
 
-from benchbackend import checks, envs
-from benchbackend.workload import Workload
+from benchbackend.backends import envs
+from benchbackend.run import checks
+from benchbackend.spec.workload import Workload
 from conftest import built_env, make_job
 
 pytestmark = [pytest.mark.chainer, pytest.mark.slow]
@@ -26,8 +27,8 @@ DECAYED = {"weight_decay": {"kind": "decoupled", "rate": 100.0}}
 
 @pytest.fixture(scope="module")
 def chainer_env(envs_root: Path) -> envs.EnvStatus:
-    return built_env(envs_root, "chainer", envs.Probe("chainer", "benchbackend.backends.chainer:ChainerBackend", {}),
-                     "Chainer")
+    return built_env(envs_root, "chainer",
+                     envs.Probe("chainer", "benchbackend.backends.chainer.adapter:ChainerBackend", {}), "Chainer")
 
 
 def cell(env: envs.EnvStatus, tmp: Path, w: Workload, target: Optional[str] = None, **fields) -> tuple[dict, dict]:
@@ -36,7 +37,7 @@ def cell(env: envs.EnvStatus, tmp: Path, w: Workload, target: Optional[str] = No
     job = make_job(tmp, w, "chainer", target=target and f"support.chainer_planted:{target}", **fields)
     worker_env = envs.worker_env()
     worker_env["PYTHONPATH"] += os.pathsep + str(TESTS)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.worker"], input=job.to_json(), text=True,
+    proc = subprocess.run([str(env.python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
                           capture_output=True, timeout=600, env=worker_env)
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 0 and not [m for m in msgs if m.get("type") == "error"], (msgs, proc.stderr[-3000:])

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 from support.vit import PARITY_RTOL, trap
 
-from benchbackend import checks
+from benchbackend.run import checks
 from conftest import requires, run_cell
 
 pytestmark = [requires("jax"), pytest.mark.slow]
@@ -24,7 +24,7 @@ def _planted() -> dict[str, tuple[str, Callable[..., Any]]]:
     """Each JAX default as a replacement of one ``jax_transformer`` function: (its name, the default)."""
     import jax
 
-    from benchbackend.backends import jax_transformer as jt
+    from benchbackend.backends.jax import transformer as jt
 
     layernorm = jt.layernorm
 
@@ -48,7 +48,7 @@ def _forward_parity(rows: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("planted", ["jax.nn.gelu's tanh default", "flax's layernorm epsilon 1e-6",
                                      "unscaled attention scores", "dim-major head split"])
 def test_the_parity_check_fails_when_jax_keeps_its_default(tmp_path, monkeypatch, planted: str) -> None:
-    from benchbackend.backends import jax_transformer as jt
+    from benchbackend.backends.jax import transformer as jt
 
     name, default = _planted()[planted]
     monkeypatch.setattr(jt, name, default)
@@ -62,7 +62,7 @@ def test_scan_in_bf16_trains_the_trap_within_bf16_tolerances(tmp_path) -> None:
     trains the epoch, and bf16 (float32 layernorm statistics and softmax) meets bf16's tolerances."""
     import math
 
-    from benchbackend.plan import Options
+    from benchbackend.run.plan import Options
 
     w = trap()
     # 64 samples at batch 8 and K = 3: two scan blocks, then two single steps.

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from support.vit import PARITY_RTOL, trap
 
-from benchbackend import model
-from benchbackend.backends import BACKENDS
+from benchbackend.backends.registry import BACKENDS
+from benchbackend.spec import model
 from conftest import requires, run_cell
 
 pytestmark = requires("tensorflow")
@@ -35,7 +35,7 @@ def _keras_epsilon(monkeypatch):
 
 
 def _ops_gelu(monkeypatch):
-    from benchbackend.backends import keras_transformer
+    from benchbackend.backends.keras import transformer as keras_transformer
 
     monkeypatch.setattr(keras_transformer, "gelu", lambda keras, approximate: keras.ops.gelu)  # tanh form
 
@@ -43,7 +43,7 @@ def _ops_gelu(monkeypatch):
 def _unscaled(monkeypatch):
     import keras
 
-    from benchbackend.backends import keras_transformer
+    from benchbackend.backends.keras import transformer as keras_transformer
 
     cls = keras_transformer._classes(keras).Attention
     init = cls.__init__
@@ -55,7 +55,7 @@ def _unscaled(monkeypatch):
 
 
 def _dim_major(monkeypatch):
-    from benchbackend.backends import keras_transformer
+    from benchbackend.backends.keras import transformer as keras_transformer
 
     def dim_major(arrays, heads, head_dim):  # q/k/v columns read as (head_dim, heads)
         return [np.swapaxes(np.asarray(a).reshape(*a.shape[:-1], head_dim, heads), -1, -2) if j < 6 else
@@ -81,7 +81,7 @@ def test_the_trap_agrees_under_xla(tmp_path):
 def test_bf16_keeps_layernorm_in_float32_and_passes_its_checks(tmp_path):
     import keras
 
-    from benchbackend.backends.tensorflow import TensorFlowBackend
+    from benchbackend.backends.tensorflow.adapter import TensorFlowBackend
 
     net = TensorFlowBackend(trap(), "cpu", precision="bf16")._net()
     norms = [layer for layer in net.holders if isinstance(layer, keras.layers.LayerNormalization)]
@@ -97,7 +97,7 @@ def test_bf16_keeps_layernorm_in_float32_and_passes_its_checks(tmp_path):
 def _net(w):
     import keras
 
-    from benchbackend.backends.keras_layers import keras3_build
+    from benchbackend.backends.keras.layers import keras3_build
 
     net = keras3_build(w, keras)
     net.set(model.initial_weights(w))
@@ -118,7 +118,7 @@ def test_decoupled_weight_decay_reaches_the_kernels_only():
     attention's four) shrink; biases, norms, the class token and the position embedding stay."""
     import keras
 
-    from benchbackend.backends.keras_layers import keras3_optimizer
+    from benchbackend.backends.keras.layers import keras3_optimizer
 
     w = trap(weight_decay={"kind": "decoupled", "rate": 0.1})
     net = _net(w)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from support.vit import PARITY_RTOL, trap
 
-from benchbackend import checks, model, workload
-from benchbackend.backends.reference import forward
-from benchbackend.plan import Options
+from benchbackend.backends.numpy.reference import forward
+from benchbackend.run import checks
+from benchbackend.run.plan import Options
+from benchbackend.spec import model, workload
 from conftest import have, missing, spawn_cell
 
 pytestmark = pytest.mark.skipif(not have("onnx"), reason="onnx is not installed (pip install onnx)")
@@ -29,7 +30,7 @@ def _error(w: workload.Workload) -> float:
     evaluator, against the float64 NumPy reference of the trap."""
     from onnx.reference import ReferenceEvaluator
 
-    from benchbackend.backends import onnx_graph
+    from benchbackend.backends.onnx import graph as onnx_graph
 
     out = ReferenceEvaluator(onnx_graph.build_model(w, WEIGHTS)).run(None, {onnx_graph.INPUT: X})[0]
     return checks.parity_errors(np.asarray(out, np.float64), forward(trap(), WEIGHTS, X.astype(np.float64)))[1]
@@ -38,7 +39,7 @@ def _error(w: workload.Workload) -> float:
 def test_the_trap_graph_is_a_checked_opset_17_model_with_a_dynamic_batch() -> None:
     import onnx
 
-    from benchbackend.backends import onnx_graph
+    from benchbackend.backends.onnx import graph as onnx_graph
 
     m = onnx_graph.build_model(trap(), WEIGHTS)
     onnx.checker.check_model(m, full_check=True)
@@ -55,7 +56,7 @@ def test_the_trap_graph_is_a_checked_opset_17_model_with_a_dynamic_batch() -> No
 
 def test_the_vit_b16_graph_carries_exactly_the_spec_parameters() -> None:
     """Built (and checked) on zero weights, not run: 86,567,656 float weights, no constant counted."""
-    from benchbackend.backends import onnx_graph
+    from benchbackend.backends.onnx import graph as onnx_graph
 
     w = workload.load("vit-b16")
     m = onnx_graph.build_model(w, [np.zeros(s, np.float32) for s in model.weight_shapes(w)])
@@ -71,7 +72,7 @@ def test_the_trap_graph_matches_the_reference_under_onnx_own_evaluator() -> None
 @pytest.mark.parametrize("planted", ["tanh gelu", "epsilon 1e-5", "unscaled attention"])
 def test_a_graph_with_a_framework_default_misses_the_reference(monkeypatch: pytest.MonkeyPatch,
                                                                planted: str) -> None:
-    from benchbackend.backends import onnx_nodes
+    from benchbackend.backends.onnx import nodes as onnx_nodes
 
     w = trap()
     if planted == "tanh gelu":

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 from support.vit import PARITY_RTOL, trap
 
-from benchbackend import checks, model, workload
-from benchbackend.backends import BACKENDS
+from benchbackend.backends.registry import BACKENDS
+from benchbackend.run import checks
+from benchbackend.spec import model, workload
 from conftest import requires_torch, run_cell
 
 pytestmark = [pytest.mark.torch, requires_torch]
@@ -40,8 +41,8 @@ def test_both_attention_paths_agree_with_the_reference(tmp_path, mode: str) -> N
 def test_weight_decay_reaches_the_attention_kernels_and_nothing_else(tmp_path, kind: str) -> None:
     from torch import nn
 
-    from benchbackend.backends.torch_graph import GraphNet
-    from benchbackend.graph import resolve
+    from benchbackend.backends.torch.graph import GraphNet
+    from benchbackend.spec.graph import resolve
 
     w = trap(weight_decay={"kind": kind, "rate": 0.5})
     net = GraphNet(resolve(w))
@@ -61,7 +62,7 @@ def test_sdpa_is_no_mode_of_a_network_without_attention() -> None:
 def _plant(monkeypatch: pytest.MonkeyPatch, planted: str) -> None:
     from torch import nn
 
-    from benchbackend.backends import torch_transformer as tt
+    from benchbackend.backends.torch import transformer as tt
 
     if planted == "torch's layernorm epsilon":
         monkeypatch.setattr(tt, "layernorm", lambda width, epsilon: nn.LayerNorm(width))  # eps 1e-5
@@ -105,8 +106,8 @@ def test_the_check_fails_when_torch_keeps_its_default(tmp_path, monkeypatch, pla
 
 def test_an_untransposed_kernel_of_another_shape_is_refused(monkeypatch) -> None:
     """On the default trap (attention 10 wide, the model 6) the same mistake is a loud shape error."""
-    from benchbackend.backends.torch_graph import GraphNet
-    from benchbackend.graph import resolve
+    from benchbackend.backends.torch.graph import GraphNet
+    from benchbackend.spec.graph import resolve
 
     _plant(monkeypatch, "untransposed kernels")
     w = trap()

@@ -5,8 +5,8 @@ import textwrap
 
 import pytest
 
-from benchbackend import model, workload
 from benchbackend.errors import WorkloadError
+from benchbackend.spec import model, workload
 
 
 def write(tmp_path, text: str):

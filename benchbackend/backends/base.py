@@ -5,13 +5,13 @@ its precisions, its devices, how to install it) is declared in its registry entr
 (:class:`benchbackend.backends.BackendSpec`), so that ``--help``, ``list`` and the CLI's checks
 know it without importing the framework. What a backend *does* is this class.
 
-The worker (``benchbackend.worker``) drives an adapter through one repeat of one cell
+The worker (``benchbackend.run.worker``) drives an adapter through one repeat of one cell
 (workload x backend x mode x precision):
 
 1. ``__init__(workload, device, mode, precision, options)``: resolve the device or raise
    ``BackendUnavailable``; ``mode`` and ``precision`` have been validated against the spec.
 2. ``build(weights)``: build the network from ``workload.model`` and load the shared initial
-   weights (canonical layout, see ``benchbackend.model``), converting as the framework needs.
+   weights (canonical layout, see ``benchbackend.spec.model``), converting as the framework needs.
    Returns the parameter count. Compilation that does not depend on data belongs here (timed as
    the ``build`` row).
 3. ``tune()``: optional schedule search etc. (the ``tune`` row), for modes that need it.
@@ -47,9 +47,9 @@ The worker (``benchbackend.worker``) drives an adapter through one repeat of one
    that the peak is the cell's own (the worker calls it before ``build`` and after the GEMM probe).
 
 The worker ends every timed region itself: adapter call, ``to_host`` on what it returned,
-``sync()``, then the clock (see :func:`benchbackend.timing.timed_region`). An adapter cannot
+``sync()``, then the clock (see :func:`benchbackend.run.timing.timed_region`). An adapter cannot
 forget the sync because it is not the adapter's to do. Forward parity, validation and the timed
-inference passes are all derived from ``scores`` in one place (``benchbackend.worker``).
+inference passes are all derived from ``scores`` in one place (``benchbackend.run.worker``).
 
 Adapters import their framework at module top: only the worker imports an adapter, after the
 backend's environment variables (``BackendSpec.env``) are in its process environment.
@@ -63,7 +63,7 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..workload import Workload
+from ..spec.workload import Workload
 from .spec import gpu_index
 
 __all__ = ["Backend", "CupyMemory", "accuracy", "batches", "cross_entropy", "gemm_rate", "gpu_index"]

@@ -32,12 +32,12 @@ class Capabilities:
     """
 
     #: The adapter measures a GEMM peak in its own framework (``Backend.gemm_peak``); it joins the
-    #: other probes on the device, the best of which is MFU's denominator (``benchbackend.peaks``).
+    #: other probes on the device, the best of which is MFU's denominator (``benchbackend.run.peaks``).
     peak_probe: bool = False
     #: The adapter sets its intra-op threads from ``--threads`` and reports them (``Backend.threads``).
     thread_control: bool = False
     #: ``module:Class`` of the adapter that trains ``--replicas N`` > 1 on the framework's own
-    #: data-parallel engine (``benchbackend.replicas``); "" where there is none yet (``unavailable``).
+    #: data-parallel engine (``benchbackend.spec.replicas``); "" where there is none yet (``unavailable``).
     replicas: str = ""
     #: That adapter can also join a process group made outside its worker (``options.rendezvous``),
     #: so that under ``--executor ray`` Ray Train's ``TorchTrainer`` starts its replicas across nodes.

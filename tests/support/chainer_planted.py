@@ -8,9 +8,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchbackend.backends import chainer_graph
-from benchbackend.backends.chainer import ChainerBackend
-from benchbackend.backends.chainer_transformer import Attention, LayerNorm, gelu
+from benchbackend.backends.chainer import graph as chainer_graph
+from benchbackend.backends.chainer.adapter import ChainerBackend
+from benchbackend.backends.chainer.transformer import Attention, LayerNorm, gelu
 
 
 class ChainerEpsilon(ChainerBackend):

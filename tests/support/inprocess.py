@@ -12,9 +12,9 @@ import json
 import traceback
 from typing import Iterator, Sequence
 
-from benchbackend import launch, worker
-from benchbackend.messages import Ended, Message, Started
-from benchbackend.runner import Task
+from benchbackend.run import launch, worker
+from benchbackend.run.messages import Ended, Message, Started
+from benchbackend.run.runner import Task
 
 
 class InProcessExecutor:
@@ -47,6 +47,6 @@ class InProcessExecutor:
 
 def use(monkeypatch) -> None:
     """Make ``benchbackend run`` (through click's CliRunner) run its cells in this process."""
-    from benchbackend import executors
+    from benchbackend.run import executors
 
     monkeypatch.setattr(executors, "make", lambda *args, **kwargs: InProcessExecutor())

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from benchbackend.backends.reference import NumpyBackend
+from benchbackend.backends.numpy.reference import NumpyBackend
 
 
 class KillerNumpyBackend(NumpyBackend):

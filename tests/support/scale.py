@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 import yaml
 
-from benchbackend import plan as planning
-from benchbackend import workload
+from benchbackend.run import plan as planning
+from benchbackend.spec import workload
 
 TINY = {
     "name": "tiny",

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchbackend import workload
-from benchbackend.workload import Workload
+from benchbackend.spec import workload
+from benchbackend.spec.workload import Workload
 
 
 def trap(epsilon: float = 0.5, approximate: bool = False, heads: int = 2, head_dim: int = 5,

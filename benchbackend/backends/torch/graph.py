@@ -1,0 +1,248 @@
+"""The resolved graph (``benchbackend.spec.graph``) as a ``torch.nn.Module``, NCHW, in the harness' conventions.
+
+Where torch's defaults differ from the NumPy reference's conventions, this module converts:
+
+- TF 'same' and asymmetric padding: an explicit ``F.pad`` before the conv (torch pads symmetrically);
+- max-pool padding: ``-inf`` pads, so a pad never wins a max;
+- batchnorm (:class:`BatchNorm`): Keras' momentum (``moving = m * moving + (1 - m) * batch``; torch's
+  ``momentum`` weights the *new* batch) and the *biased* batch variance in the moving variance
+  (``nn.BatchNorm2d`` updates it with the unbiased one); the epsilon comes from the spec;
+- dropout that the trajectory check can switch off while batchnorm stays in training mode;
+- a softmax over the channels: axis 1 of an NCHW image, the last axis of a flat vector or a token sequence;
+- the transformer layers: ``torch_transformer``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...spec import layers
+from ...spec.graph import INPUT, Graph, Node
+from ...spec.layers import (
+    TOKEN_LAYERS,
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    MaxPool2D,
+    gelu_approximate,
+)
+from ...spec.model import kernel_mask
+from . import transformer as tt
+
+_ACT = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
+
+
+def activation(name: str, node: Optional[Node] = None) -> nn.Module:
+    """The activation ``name`` (of ``node``, which says GELU's form and the softmax's axis)."""
+    if name == "none":
+        return nn.Identity()
+    if name == "softmax":  # over the channels: axis 1 of an NCHW image, else the last axis
+        return nn.Softmax(dim=1 if node is not None and len(node.out_shape) == 3 else -1)
+    if name == "gelu":
+        return tt.gelu(node is not None and gelu_approximate(node.layer))
+    return _ACT[name]()
+
+
+class BatchNormKeras(nn.Module):
+    """Batch normalization over every axis but the channels (axis 1), in Keras' convention: batch
+    statistics in training (the moving ones updated with Keras' momentum and the biased variance,
+    unless ``update`` is off), the moving statistics in eval mode."""
+
+    def __init__(self, channels: int, momentum: float, epsilon: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+        self.momentum, self.epsilon = momentum, epsilon
+        self.update = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
+                                self.epsilon)
+        # No running buffers given: torch normalizes with the batch's (biased) statistics and updates nothing.
+        out = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.epsilon)
+        if self.update:
+            with torch.no_grad():
+                dims = [d for d in range(x.dim()) if d != 1]
+                var, mean = torch.var_mean(x.detach().float(), dim=dims, correction=0)
+                self.running_mean.mul_(self.momentum).add_(mean, alpha=1.0 - self.momentum)
+                self.running_var.mul_(self.momentum).add_(var, alpha=1.0 - self.momentum)
+        return out
+
+
+class SwitchableDropout(nn.Dropout):
+    """``nn.Dropout`` that ``enabled = False`` turns off in training mode too (the trajectory check)."""
+
+    enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.p, self.training and self.enabled)
+
+
+class Padded(nn.Module):
+    """``F.pad`` with (left, right, top, bottom) and a fill value, then ``inner``."""
+
+    def __init__(self, pads: tuple[int, int, int, int], value: float, inner: nn.Module):
+        super().__init__()
+        self.pads, self.value, self.inner = pads, value, inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(F.pad(x, self.pads, value=self.value))
+
+
+def _window(node: Node, make: Any, fill: float) -> nn.Module:
+    """A conv or pool with the node's padding: torch's own symmetric ``padding`` where it fits,
+    else an explicit pad."""
+    (top, bottom), (left, right) = node.pads  # type: ignore[misc]
+    k = node.layer.kernel_size if isinstance(node.layer, Conv2D) else node.layer.pool_size
+    if top == bottom and left == right and (fill == 0.0 or max(top, left) <= k // 2):
+        return make((top, left))
+    return Padded((left, right, top, bottom), fill, make((0, 0)))
+
+
+def node_module(node: Node, last: bool, fused_attention: bool = False) -> nn.Module:
+    """The node's computation (its activation included; a final softmax is left to the loss);
+    ``fused_attention``: attention through ``F.scaled_dot_product_attention``."""
+    layer = node.layer
+    act = activation("none" if last and node.activation == "softmax" else node.activation, node)
+    if isinstance(layer, Conv2D):
+        c_in = node.in_shape[2]
+        conv = _window(node, lambda pad: nn.Conv2d(c_in, layer.filters, layer.kernel_size, layer.stride, pad,
+                                                   bias=layer.use_bias), 0.0)
+        return nn.Sequential(conv, act)
+    if isinstance(layer, MaxPool2D):
+        stride = layer.stride or layer.pool_size
+        return _window(node, lambda pad: nn.MaxPool2d(layer.pool_size, stride, pad), float("-inf"))
+    if isinstance(layer, TOKEN_LAYERS):
+        return _token_module(node, fused_attention)
+    if isinstance(layer, Dense):  # on features (N, F), or on the last axis of tokens (N, T, d)
+        return nn.Sequential(nn.Linear(node.in_shape[-1], layer.units), act)
+    if isinstance(layer, BatchNorm):
+        norm: nn.Module = BatchNormKeras(node.in_shape[-1], layer.momentum, layer.epsilon)
+        return nn.Sequential(tt.TokenChannels(norm) if len(node.in_shape) == 2 else norm, act)
+    if isinstance(layer, Add):
+        return act
+    if isinstance(layer, GlobalAvgPool):
+        return _GlobalAvgPool(dims=(1,) if len(node.in_shape) == 2 else (2, 3))  # over tokens, or pixels
+    if isinstance(layer, Dropout):
+        return SwitchableDropout(layer.rate)
+    if isinstance(layer, Flatten):
+        return nn.Flatten()
+    if isinstance(layer, ActivationLayer):
+        return act
+    raise TypeError(f"{node.label()}: no torch translation")
+
+
+def _token_module(node: Node, fused_attention: bool) -> nn.Module:
+    layer, shape = node.layer, node.in_shape
+    if isinstance(layer, layers.LayerNorm):
+        norm = tt.layernorm(shape[-1], layer.epsilon)
+        return tt.ImageLayerNorm(norm) if len(shape) == 3 else norm
+    if isinstance(layer, layers.Attention):
+        return tt.Attention(shape[-1], layer.heads, layer.head_dim, fused_attention)
+    if isinstance(layer, layers.Tokens):
+        return tt.Tokens()
+    if isinstance(layer, layers.ClassToken):
+        return tt.ClassToken(shape[-1])
+    if isinstance(layer, layers.PositionEmbedding):
+        return tt.PositionEmbedding(*shape)
+    if isinstance(layer, layers.SelectToken):
+        return tt.SelectToken(layer.index)
+    raise TypeError(f"{node.label()}: no torch translation")
+
+
+class _GlobalAvgPool(nn.Module):
+    def __init__(self, dims: tuple[int, ...]):
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=self.dims)
+
+
+class GraphNet(nn.Module):
+    """The graph's nodes in order; each value is dropped after its last reader (ResNet-50's
+    activations do not all fit at once)."""
+
+    def __init__(self, graph: Graph, fused_attention: bool = False):
+        super().__init__()
+        n = len(graph.nodes)
+        self.nodes = nn.ModuleList(node_module(node, i == n - 1, fused_attention) for i, node in enumerate(graph.nodes))
+        self.kernel_mask = kernel_mask(graph)
+        self.inputs = [node.inputs for node in graph.nodes]
+        self.is_add = [isinstance(node.layer, Add) for node in graph.nodes]
+        last_use = {j: i for i, node in enumerate(graph.nodes) for j in node.inputs}
+        self.free_after = [[j for j, last in last_use.items() if last == i and j != INPUT] for i in range(n)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        values: dict[int, torch.Tensor] = {INPUT: x}
+        out = x
+        for i, mod in enumerate(self.nodes):
+            ins = [values[j] for j in self.inputs[i]]
+            if self.is_add[i]:
+                total = ins[0]
+                for other in ins[1:]:
+                    total = total + other
+                out = mod(total)
+            else:
+                out = mod(ins[0])
+            values[i] = out
+            for j in self.free_after[i]:
+                del values[j]
+        return out
+
+    # --- the weights, node by node, in the canonical list's order ---------------------------------
+    def arrays(self) -> list[torch.Tensor]:
+        """Every weight tensor (parameters and moving statistics) in canonical order (NCHW layouts)."""
+        return [t for mod in self.nodes for t in _arrays(mod)]
+
+    def kernels(self) -> list[torch.Tensor]:
+        """What weight decay reaches, by the canonical ``model.kernel_mask``: conv, dense and
+        attention kernels (the attention's as views of its ``nn.Linear`` weights), not biases,
+        norms, the class token or the position embedding."""
+        return [t for t, kernel in zip(self.arrays(), self.kernel_mask) if kernel]
+
+    def set_mode(self, dropout: bool, update_statistics: bool) -> None:
+        for m in self.modules():
+            if isinstance(m, SwitchableDropout):
+                m.enabled = dropout
+            elif isinstance(m, BatchNormKeras):
+                m.update = update_statistics
+
+    def load(self, arrays: Sequence[Any]) -> None:
+        targets = self.arrays()
+        if len(targets) != len(arrays):
+            raise ValueError(f"the network has {len(targets)} weight arrays; got {len(arrays)}")
+        with torch.no_grad():
+            for i, (t, a) in enumerate(zip(targets, arrays)):
+                if tuple(t.shape) != a.shape:  # copy_ would broadcast
+                    raise ValueError(f"weight array {i}: the network's is {tuple(t.shape)}; got {a.shape}")
+                t.copy_(torch.from_numpy(a))
+
+
+def _arrays(mod: nn.Module) -> list[torch.Tensor]:
+    """``mod``'s weights in canonical order: a transformer module's own ``arrays()``; conv and
+    dense ``weight, bias``; batchnorm's four; layernorm's ``weight, bias`` (gamma, beta)."""
+    if isinstance(mod, tt.WEIGHTED):
+        return mod.arrays()
+    if isinstance(mod, (nn.Conv2d, nn.Linear)):
+        return [mod.weight] + ([mod.bias] if mod.bias is not None else [])
+    if isinstance(mod, BatchNormKeras):
+        return [mod.weight, mod.bias, mod.running_mean, mod.running_var]
+    if isinstance(mod, nn.LayerNorm):
+        return [mod.weight, mod.bias]
+    return [t for child in mod.children() for t in _arrays(child)]
+
+
+def count(net: Optional[GraphNet]) -> int:
+    return 0 if net is None else sum(t.numel() for t in net.arrays())

@@ -1,0 +1,144 @@
+"""The results CSV's columns, declared once: each one's name, type, unit, meaning and the schema
+version that added it. ``results`` derives its column order and numeric columns from here, and
+the README's column reference is generated from it (``benchbackend schema --update README.md``;
+``tests/test_schema_doc.py`` fails on drift). Imports nothing: a leaf every room may read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Column:
+    """One CSV column: ``kind`` is ``text``, ``number`` (read as a float; empty is unknown) or
+    ``flag`` (``True``/``False``); ``unit`` is "" where there is none."""
+
+    name: str
+    kind: str
+    meaning: str
+    unit: str = ""
+    version: int = 1
+
+
+def _c(name: str, kind: str, meaning: str, unit: str = "", version: int = 1) -> Column:
+    return Column(name, kind, meaning, unit, version)
+
+
+T, N, F = "text", "number", "flag"
+#: Every column, in the file's order. Add columns at the end, with the version that adds them.
+DECLARED: tuple[Column, ...] = (
+    _c("schema_version", N, "the schema the row was written under; a newer one than this benchbackend reads is "
+                            "refused"),
+    _c("run_id", T, "one run (`run` command); with `cell_order` and `attempt` it names a cell"),
+    _c("timestamp", T, "when the row was written (local time, ISO 8601)"),
+    _c("workload", T, "the workload's name"),
+    _c("workload_hash", T, "digest of the definition: model, training, sizes after `--limit`, epochs, batch, seed"),
+    _c("backend", T, "the backend (`benchbackend list`)"),
+    _c("backend_version", T, "the framework's version, as the worker imported it"),
+    _c("device", T, "the device the backend really used, one name per device across backends: `cpu`, `gpu:N`, "
+                    "anything else lowercased as the backend names it"),
+    _c("mode", T, "the backend's execution mode (`eager`, `compile`, `jit`, ...)"),
+    _c("repeat", N, "the repeat, 1..R: each a fresh worker process"),
+    _c("phase", T, "`build` (construction, shared weights, compilation that needs no data, the copy to the "
+                   "device), `tune` (schedule search), `parity` (forward check; with `--parity-steps` a second row "
+                   "for the trajectory), `train_epoch`, `inference`, `run` (every cell's last row: its final "
+                   "status, and in `message` why it is not `ok`)"),
+    _c("epoch", N, "a `train_epoch` row's epoch, 1..E; empty on every other row"),
+    _c("samples", N, "samples the row's timed work went through (an epoch's, a pass's, the parity batch)"),
+    _c("seconds", N, "the timed region's wall time, the device synced inside the clock (training only: "
+                     "validation is measured apart)", "s"),
+    _c("samples_per_s", N, "`samples` / `seconds`", "samples/s"),
+    _c("loss", N, "the epoch's mean training loss"),
+    _c("accuracy", N, "the epoch's training accuracy, or an inference pass's on the test set"),
+    _c("val_loss", N, "the validation loss after the epoch, outside the clock"),
+    _c("val_accuracy", N, "the validation accuracy after the epoch, outside the clock"),
+    _c("status", T, "the cell's final status on every row (README \"Checks and statuses\")"),
+    _c("message", T, "a failure's reason, on the `run` row"),
+    _c("host", T, "the machine that measured the row (a Ray node's own)"),
+    _c("os", T, "its operating system"),
+    _c("python", T, "the worker's Python"),
+    _c("cpu", T, "its CPU model and logical CPU count"),
+    _c("gpu", T, "the GPU's name on a GPU cell"),
+    _c("parity_max_abs", N, "largest absolute difference of the forward outputs from the float64 NumPy reference "
+                            "(a `parity` row)"),
+    _c("parity_max_rel", N, "the same, relative"),
+    _c("parity_step", N, "the trajectory row's first step that disagrees; empty when all agree"),
+    _c("params", N, "the network's parameters, as built (checked against the spec)"),
+    _c("flops_per_sample", N, "the forward FLOPs of one sample, from the spec (a multiply-add counts 2)", "FLOP"),
+    _c("peak_rss_mb", N, "the worker's peak resident memory so far", "MiB"),
+    _c("steps", N, "optimizer steps of an epoch; on the trajectory row, the steps checked"),
+    _c("requested_device", T, "what `--device` asked for; `compare` groups by it"),
+    _c("precision", T, "`fp32`, `tf32`, `bf16`, `fp16`, `fp64`", version=2),
+    _c("threads", N, "the intra-op threads the cell used (per replica); part of the experiment's definition",
+       version=2),
+    _c("data_source", T, "`synthetic`, `real` or the user's file", version=2),
+    _c("inference_only", F, "the cell trained nothing (`--inference-only`, or an inference runtime)", version=2),
+    _c("definition", T, "the definition, readably: `train=1024 val=256 test=256 epochs=2 batch=32 ...`", version=2),
+    _c("achieved_flops", N, "FLOP/s of the timed row: `flops_per_sample` x samples/s, a training sample counted "
+                            "3x", "FLOP/s", 2),
+    _c("mfu", N, "`achieved_flops` over `peak_flops`", version=2),
+    _c("peak_flops", N, "the peak MFU is against: the best GEMM probe on the device, or `--peak-tflops`", "FLOP/s",
+       2),
+    _c("peak_source", T, "where `peak_flops` came from", version=2),
+    _c("time_to_accuracy_s", N, "training seconds until the validation accuracy first reached "
+                                "`checks.target_accuracy` (`inf`: never)", "s", 2),
+    _c("cell_order", N, "the cell's place in the run's order (0 first)", version=3),
+    _c("notes", T, "facts about a row that are not a failure's reason (build details, the trajectory's verdict, "
+                   "a busy machine, a peak shown too low)", version=3),
+    _c("limit", N, "training samples per epoch (what `--limit` sets)", version=3),
+    _c("epochs", N, "epochs of the definition", version=3),
+    _c("batch_size", N, "the training batch (the global batch; each replica's under `--scaling weak`)", version=3),
+    _c("inference_batch_size", N, "the inference batch", version=3),
+    _c("seed", N, "the seed of weights, data and order", version=3),
+    _c("pass", N, "an `inference` row's pass (1 carries warm-up)", version=4),
+    _c("attempt", N, "1, or 2, 3, ... for a cell `--retries` ran again after its Ray node was lost (the lost "
+                     "attempt's rows read `retried`)", version=5),
+    _c("data_sha256", T, "checksum of the cell's arrays (every split and the epoch orders)", version=5),
+    _c("data_origin", T, "where the worker found them: `local`, `node-cache`, `generated`, `shared-path`, "
+                         "`fetched`", version=5),
+    _c("math_mode", T, "what the cell set for float32 matmuls: `ieee` or `tf32`", version=5),
+    _c("data_on_device", F, "the arrays were on the device before the clock (else each batch was copied inside "
+                            "it)", version=6),
+    _c("peak_device_mb", N, "the device's peak memory from the framework's own counter; empty on a CPU", "MiB", 6),
+    _c("replicas", N, "data-parallel replicas (`--replicas`)", version=7),
+    _c("scale_lr", T, "`--scale-lr`: `none` or `linear`", version=7),
+    _c("scaling", T, "`--scaling`: `strong` or `weak`; `strong` for one replica", version=8),
+    _c("comm_s", N, "a data-parallel epoch's seconds in gradient communication, where the engine exposes them",
+       "s", 8),
+    _c("foreign_cpu_share", N, "the share of the cell's cores (threads x replicas) that other processes held "
+                               "during a timed region, 0 to 1 (README \"Trust\")", version=9),
+    _c("throttle_events", N, "thermal throttling events during a timed region, where the kernel counts them",
+       version=9),
+    _c("load_avg", N, "the 1-minute load average as the cell started", version=9),
+    _c("cpu_mhz", N, "the cores' mean clock as the cell started", "MHz", 9),
+    _c("gpu_other_procs", N, "other processes on the cell's GPU as it started (NVML)", version=9),
+    _c("gpu_clock_mhz", N, "the GPU's SM clock as the cell started (NVML)", "MHz", 9),
+)
+
+BEGIN = "<!-- BEGIN column reference (generated: benchbackend schema --update README.md) -->"
+END = "<!-- END column reference -->"
+
+
+def markdown() -> str:
+    """The README's column reference: one table row per declared column."""
+    rows = ["| column | schema | type | unit | meaning |", "| --- | --- | --- | --- | --- |"]
+    for c in DECLARED:
+        rows.append(f"| `{c.name}` | {c.version} | {c.kind} | {c.unit} | {c.meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def block() -> str:
+    return f"{BEGIN}\n{markdown()}{END}"
+
+
+def replace_block(text: str) -> str:
+    """``text`` with the generated reference between the markers (ValueError when they are missing)."""
+    start, end = text.find(BEGIN), text.find(END)
+    if not 0 <= start < end:
+        raise ValueError(f"the markers are missing: put {BEGIN!r} and {END!r} where the column reference goes")
+    return text[:start] + block() + text[end + len(END):]
+
+
+def current_block(text: str) -> str:
+    start, end = text.find(BEGIN), text.find(END)
+    return text[start:end + len(END)] if 0 <= start < end else ""

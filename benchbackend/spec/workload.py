@@ -1,0 +1,391 @@
+"""YAML workload -> typed, validated :class:`Workload`.
+
+A workload is named by its file in ``workloads/`` (``mnist`` -> ``workloads/mnist.yaml``) or
+given as a path. Unknown keys and unknown layer types are rejected; every error names the
+file, the YAML path, the allowed values and the value given.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from .. import paths
+from ..errors import WorkloadError
+from .layers import (
+    LAYER_CLASSES,
+    LAYER_TYPES,
+    ActivationLayer,
+    Add,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool,
+    Layer,
+    MaxPool2D,
+    Strict,
+    activation_of,
+)
+
+__all__ = ["ActivationLayer", "Add", "BatchNorm", "Conv2D", "DataSpec", "Dense", "Dropout", "Flatten",
+           "GlobalAvgPool", "LAYER_TYPES", "Layer", "MaxPool2D", "TrainingSpec", "WeightDecay", "Workload",
+           "available", "load", "parse", "resolve"]
+
+#: The canonical datasets: their shapes, classes and pool sizes. ``synthetic`` and ``npz`` take
+#: ``input_shape`` and ``num_classes`` from the workload instead.
+DATASETS: dict[str, dict[str, Any]] = {
+    "mnist": {"input_shape": (28, 28, 1), "num_classes": 10, "train_pool": 60000, "test_pool": 10000},
+    "cifar10": {"input_shape": (32, 32, 3), "num_classes": 10, "train_pool": 50000, "test_pool": 10000},
+}
+_Strict = Strict
+
+
+class DataSpec(_Strict):
+    """Where the samples come from and how many. ``mnist``/``cifar10``: the canonical files (or
+    generated stand-ins with ``--data synthetic``); ``synthetic``: generated, learnable data of
+    ``input_shape`` and ``num_classes``; ``npz``: the user's arrays in ``path`` (``x_train``,
+    ``y_train``, ``x_test``, ``y_test``; optional ``x_val``, ``y_val``)."""
+
+    LATER: ClassVar[tuple[str, ...]] = ("input_shape", "num_classes", "path")
+    dataset: Literal["mnist", "cifar10", "synthetic", "npz"]
+    train: int = Field(gt=0, description="training samples taken from the training pool")
+    validation: int = Field(ge=0, description="held out from the training pool, after the train part")
+    test: int = Field(gt=0, description="test samples, used for inference timing")
+    input_shape: Optional[tuple[Annotated[int, Field(gt=0)], ...]] = Field(
+        default=None, min_length=1, max_length=3, description="synthetic and npz: one sample's shape (H, W, C)")
+    num_classes: Optional[int] = Field(default=None, ge=2, description="synthetic and npz: how many classes")
+    path: Optional[str] = Field(default=None, min_length=1,
+                                description="npz: the file (relative: to the YAML's folder)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DataSpec":
+        if self.dataset in DATASETS:
+            given = [f for f in ("input_shape", "num_classes", "path") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{self.dataset} has its own shape and classes; `{given[0]}` is for "
+                                 "dataset synthetic or npz")
+            info = DATASETS[self.dataset]
+            if self.train + self.validation > info["train_pool"]:
+                raise ValueError(
+                    f"train + validation = {self.train + self.validation} exceeds the "
+                    f"{info['train_pool']} training images of {self.dataset}"
+                )
+            if self.test > info["test_pool"]:
+                raise ValueError(f"test = {self.test} exceeds the {info['test_pool']} test images of {self.dataset}")
+            return self
+        missing = [f for f in ("input_shape", "num_classes") if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"dataset {self.dataset} needs `{missing[0]}`")
+        if (self.dataset == "npz") != (self.path is not None):
+            raise ValueError("dataset npz needs `path` (an .npz file)" if self.dataset == "npz"
+                             else "`path` is for dataset npz")
+        return self
+
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape: the dataset's own, or ``input_shape``."""
+        return tuple(self.input_shape or DATASETS[self.dataset]["input_shape"])
+
+    def classes(self) -> int:
+        return int(self.num_classes or DATASETS[self.dataset]["num_classes"])
+
+
+class WeightDecay(_Strict):
+    """``l2``: ``rate * sum(kernel ** 2)`` added to the loss for every conv and dense kernel (Keras'
+    ``kernel_regularizer=L2(rate)``; its gradient is ``2 * rate * kernel``). ``decoupled``: before
+    each update, every kernel is scaled by ``1 - lr * rate`` (Keras 3's ``weight_decay``, AdamW).
+    Biases and BatchNorm weights are never decayed."""
+
+    kind: Literal["l2", "decoupled"]
+    rate: float = Field(gt=0.0)
+
+
+class TrainingSpec(_Strict):
+    LATER: ClassVar[tuple[str, ...]] = ("nesterov", "weight_decay")
+    optimizer: Literal["sgd", "adam", "rmsprop"]
+    lr: float = Field(gt=0.0)
+    momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
+    loss: Literal["categorical_crossentropy"] = "categorical_crossentropy"
+    batch_size: int = Field(gt=0)
+    epochs: int = Field(gt=0)
+    nesterov: bool = Field(default=False, description="SGD with momentum: Nesterov's (Keras' formula)")
+    weight_decay: Optional[WeightDecay] = None
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> "TrainingSpec":
+        if self.nesterov and (self.optimizer != "sgd" or not self.momentum):
+            raise ValueError("`nesterov` needs optimizer sgd with a momentum")
+        return self
+
+
+class InferenceSpec(_Strict):
+    batch_size: int = Field(default=128, gt=0)
+    repeats: int = Field(default=5, gt=0)
+
+
+class Tolerance(_Strict):
+    rtol: float = Field(gt=0.0)
+    atol: float = Field(ge=0.0)
+
+
+#: Forward-parity tolerance per precision, against the float64 reference (max error relative to the
+#: largest output; either bound passing is enough). fp32 is the workload's parity_rtol/parity_atol.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "fp64": Tolerance(rtol=1e-9, atol=1e-10),
+    # Measured at the shared initial weights (8 samples): correct bf16 runs of torch and TF give
+    # 6e-4..2.4e-3 relative, 8e-5..3e-4 absolute; a skipped flatten permutation gives 1e-1..3e-1
+    # relative, 1e-2..5e-2 absolute. These bounds sit >= 4x above the first and >= 5x below the second.
+    "bf16": Tolerance(rtol=1e-2, atol=2e-3),
+    "fp16": Tolerance(rtol=1e-2, atol=1e-3),
+    # Not measured (no GPU here): fp16's bounds, since TF32 rounds inputs to fp16's 10-bit
+    # mantissa (and accumulates in fp32).
+    "tf32": Tolerance(rtol=1e-2, atol=1e-3),
+}
+
+
+class TrajectoryTolerance(_Strict):
+    rtol: float = Field(gt=0.0, description="relative loss difference allowed at step 1")
+    growth: float = Field(default=1.0, ge=1.0, description="step k allows rtol * growth ** (k - 1)")
+
+
+#: ``--parity-steps`` at a reduced precision, against the float64 reference's losses. Step k allows
+#: the larger of this and the workload's float32 bound (``trajectory_rtol``/``trajectory_growth``),
+#: so a reduced precision is never judged tighter than fp32. Measured with
+#: ``benchmarks/trajectory_spread.py --precision P`` (cifar10, Adam, 10 steps, 3 seeds): correct bf16
+#: runs of torch, TensorFlow and JAX part from it by 2e-5 at step 1, 1.2e-3 at step 2, 3.6e-3 at step
+#: 5 and 3.1e-2 at step 9 (the bounds sit >= 1.9x above those at every step), while Adam at 1.1x the
+#: learning rate parts by 1.4e-1 by step 10: caught; at 1.05x (3.6e-2), not. fp16 and tf32 are not
+#: measured (they need a GPU here): bf16's bounds, looser than their 10-bit mantissa needs.
+DEFAULT_TRAJECTORY: dict[str, TrajectoryTolerance] = {
+    "bf16": TrajectoryTolerance(rtol=1e-2, growth=1.25),
+    "fp16": TrajectoryTolerance(rtol=1e-2, growth=1.25),
+    "tf32": TrajectoryTolerance(rtol=1e-2, growth=1.25),
+}
+
+
+class ChecksSpec(_Strict):
+    LATER: ClassVar[tuple[str, ...]] = ("trajectory_growth", "trajectory_tolerance")
+    chance_alpha: float = Field(default=0.01, gt=0.0, lt=1.0,
+                                description="one-sided binomial test level against 1/num_classes")
+    chance_margin: Optional[float] = Field(default=None, ge=0.0, lt=1.0,
+                                           description="if set: accuracy must exceed 1/num_classes + margin")
+    parity_rtol: float = Field(default=1e-4, gt=0.0)
+    parity_atol: float = Field(default=1e-5, ge=0.0)
+    parity_batch: int = Field(default=8, gt=0)
+    parity_tolerance: dict[Literal["fp64", "tf32", "bf16", "fp16"], Tolerance] = Field(
+        default_factory=dict, description="per-precision overrides of the defaults (fp32: parity_rtol/atol)")
+    trajectory_rtol: float = Field(default=1e-3, gt=0.0,
+                                   description="--parity-steps: relative loss difference allowed per step")
+    trajectory_growth: float = Field(default=1.0, ge=1.0,
+                                     description="--parity-steps: step k allows trajectory_rtol * growth ** (k - 1) "
+                                                 "(a chaotic network's correct trajectories part exponentially)")
+    trajectory_tolerance: dict[Literal["tf32", "bf16", "fp16"], TrajectoryTolerance] = Field(
+        default_factory=dict, description="--parity-steps at a reduced precision: per-precision overrides of "
+                                          "the defaults; step k allows the larger of this and fp32's")
+    divergence_factor: float = Field(default=1e3, gt=1.0,
+                                     description="a finite training loss this many times ln(classes), the "
+                                                 "cross-entropy of a uniform guess, is `diverged`")
+    target_accuracy: Optional[float] = Field(default=None, gt=0.0, le=1.0,
+                                             description="record time_to_accuracy_s: training time until the "
+                                                         "validation accuracy first reaches this")
+
+    def tolerance(self, precision: str) -> Tolerance:
+        """The forward-parity tolerance for ``precision``."""
+        if precision == "fp32" or precision not in DEFAULT_TOLERANCES:
+            return Tolerance(rtol=self.parity_rtol, atol=self.parity_atol)
+        return self.parity_tolerance.get(precision, DEFAULT_TOLERANCES[precision])  # type: ignore[call-overload]
+
+    def trajectory(self, precision: str, steps: int) -> list[float]:
+        """The ``--parity-steps`` tolerance of each step 1..``steps`` (relative loss difference):
+        fp32's ``trajectory_rtol * trajectory_growth ** (k - 1)``, or at a reduced precision the
+        larger of that and the precision's own bound."""
+        fp32 = [self.trajectory_rtol * self.trajectory_growth ** k for k in range(steps)]
+        own = self.trajectory_tolerance.get(precision, DEFAULT_TRAJECTORY.get(precision))  # type: ignore[call-overload]
+        if own is None:
+            return fp32
+        return [max(f, own.rtol * own.growth ** k) for k, f in enumerate(fp32)]
+
+
+class Workload(_Strict):
+    name: str = Field(min_length=1, max_length=80, pattern=r"^[A-Za-z0-9._-]+$",
+                      description="letters, digits and ._- only; the file's stem")
+    description: str = ""
+    seed: int = 0
+    data: DataSpec
+    model: list[Layer] = Field(min_length=1)
+    training: TrainingSpec
+    inference: InferenceSpec = InferenceSpec()
+    checks: ChecksSpec = ChecksSpec()
+
+    @model_validator(mode="after")
+    def _ends_in_softmax(self) -> "Workload":
+        if activation_of(self.model[-1]) != "softmax":
+            raise ValueError("`model`: the last layer must end in softmax "
+                             "(categorical_crossentropy takes class probabilities)")
+        return self
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.data.sample_shape()
+
+    @property
+    def num_classes(self) -> int:
+        return self.data.classes()
+
+    def hash(self) -> str:
+        """Short content hash of everything that changes what is measured (not the description)."""
+        payload = self.model_dump(mode="json", exclude={"description"})
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def with_overrides(self, *, epochs: Optional[int] = None, limit: Optional[int] = None,
+                       seed: Optional[int] = None, batch_size: Optional[int] = None) -> "Workload":
+        """A copy with command-line overrides applied.
+
+        ``limit`` caps the training samples; validation and test shrink in proportion (never below
+        256, or the full size if smaller, so the chance check has samples to judge), so a smoke run
+        stays a smoke run.
+        ``batch_size`` sets both the training and the inference batch size.
+        """
+        upd: dict[str, Any] = {}
+        training: dict[str, Any] = {}
+        if epochs is not None:
+            training["epochs"] = epochs
+        if batch_size is not None:
+            training["batch_size"] = batch_size
+            upd["inference"] = self.inference.model_copy(update={"batch_size": batch_size})
+        if training:
+            upd["training"] = self.training.model_copy(update=training)
+        if seed is not None:
+            upd["seed"] = seed
+        if limit is not None and limit < self.data.train:
+            frac = limit / self.data.train
+            shrink = lambda n: min(n, max(256, round(n * frac)))  # noqa: E731
+            upd["data"] = self.data.model_copy(update={
+                "train": limit, "validation": shrink(self.data.validation) if self.data.validation else 0,
+                "test": shrink(self.data.test)})
+        return self.model_copy(update=upd)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def available() -> dict[str, Path]:
+    """Named workloads: name -> file (first directory wins)."""
+    found: dict[str, Path] = {}
+    for d in paths.workload_dirs():
+        if d.is_dir():
+            for f in sorted(d.glob("*.yaml")):
+                found.setdefault(f.stem, f)
+    return found
+
+
+def resolve(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or os.sep in name_or_path or "/" in name_or_path:
+        if not p.is_file():
+            raise WorkloadError(f"{name_or_path}: workload file not found")
+        return p
+    named = available()
+    if name_or_path not in named:
+        names = ", ".join(sorted(named)) or "(none found)"
+        raise WorkloadError(f"unknown workload '{name_or_path}'; available: {names} (or give a path to a .yaml file)")
+    return named[name_or_path]
+
+
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif item in LAYER_TYPES and parts and parts[-1].endswith("]"):
+            continue  # pydantic adds the union tag to the path; the index already says where
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or "(top level)"
+
+
+def _allowed_keys(cls: type[BaseModel], loc: tuple[Any, ...], raw: Any) -> list[str]:
+    """Field names of the model that sits at ``loc`` (for 'unknown key' errors)."""
+    model: Any = cls
+    node = raw
+    for item in loc[:-1]:
+        if isinstance(item, int):
+            node = node[item] if isinstance(node, list) and item < len(node) else {}
+            continue
+        if model is Workload and item == "model":
+            continue
+        if item in LAYER_TYPES:
+            model = LAYER_CLASSES[item]
+            continue
+        field = getattr(model, "model_fields", {}).get(item)
+        if field is None:
+            return []
+        model = field.annotation
+        node = node.get(item, {}) if isinstance(node, dict) else {}
+    return list(getattr(model, "model_fields", {}).keys())
+
+
+def _explain(err: ValidationError, raw: Any) -> str:
+    e = err.errors()[0]
+    loc = tuple(e["loc"])
+    path = _fmt_loc(loc)
+    if e["type"] == "extra_forbidden":
+        allowed = _allowed_keys(Workload, loc, raw)
+        parent = _fmt_loc(loc[:-1])
+        where = f" in `{parent}`" if loc[:-1] else ""
+        return f"unknown key `{loc[-1]}`{where}; allowed: {', '.join(allowed)}"
+    if e["type"] == "union_tag_invalid":
+        return (f"`{path}.type` must be one of {', '.join(LAYER_TYPES)}; "
+                f"got {e.get('ctx', {}).get('tag', e.get('input'))!r}")
+    if e["type"] == "literal_error":
+        expected = e.get("ctx", {}).get("expected", "")
+        return f"`{path}` must be one of {expected.replace(' or ', ', ')}; got {e.get('input')!r}"
+    if e["type"] == "missing":
+        return f"`{path}` is required"
+    if e["type"] == "string_pattern_mismatch":
+        return f"`{path}` must be letters, digits and ._- only; got {e.get('input')!r}"
+    msg = e["msg"].removeprefix("Value error, ")
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    if e["type"] == "value_error" and not loc:
+        return f"{msg}{more}"
+    return f"`{path}`: {msg}; got {e.get('input')!r}{more}"
+
+
+def parse(raw: Any, source: str = "<workload>") -> Workload:
+    if not isinstance(raw, dict):
+        raise WorkloadError(f"{source}: a workload must be a YAML mapping, got {type(raw).__name__}")
+    try:
+        return Workload.model_validate(raw)
+    except ValidationError as err:
+        raise WorkloadError(f"{source}: {_explain(err, raw)}") from None
+
+
+def load(name_or_path: str) -> Workload:
+    """Load and validate a workload by name (``workloads/<name>.yaml``) or path."""
+    path = resolve(name_or_path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise WorkloadError(f"{path}:{where}: malformed YAML: {problem}") from None
+    w = parse(raw, str(path))
+    if w.name != path.stem:
+        raise WorkloadError(f"{path}: `name` must match the file name: expected {path.stem!r}; got {w.name!r}")
+    if w.data.path is not None and not Path(w.data.path).expanduser().is_absolute():
+        # The user's .npz sits beside the YAML that names it, wherever the command runs from.
+        where = str((path.parent / w.data.path).resolve())
+        w = w.model_copy(update={"data": w.data.model_copy(update={"path": where})})
+    return w
