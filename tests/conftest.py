@@ -221,11 +221,19 @@ def built_env(envs_root: Path, name: str, probe, label: str):
     return st
 
 
-#: Every backend that trains, and the inference-only runtimes (the registry's order).
-TRAINING = ["numpy", "torch", "tensorflow", "jax", "keras-jax", "keras-torch", "plaidml", "chainer"]
-INFERENCE = ["onnxruntime", "openvino", "tvm"]
-#: Backends whose cells run in this process; the others need a worker process of their own
-#: (Keras picks its framework on import; OpenVINO beside other frameworks once crashed a process).
+def _registered(trains: bool) -> list[str]:
+    from benchbackend.backends import registry
+
+    return [name for name, spec in registry.BACKENDS.items() if spec.trains == trains]
+
+
+#: Every backend that trains, and the inference-only runtimes, from the registry (in its order): a
+#: new backend joins the cross-backend parity tests by its registry entry alone.
+TRAINING = _registered(True)
+INFERENCE = _registered(False)
+#: Backends whose cells may run in this process (an allowlist: a new one runs in a worker process,
+#: which is always safe); the others need a worker of their own (Keras picks its framework on
+#: import; OpenVINO beside other frameworks once crashed a process).
 IN_PROCESS = {"numpy", "torch", "tensorflow", "jax"}
 
 
