@@ -81,7 +81,7 @@ def test_trajectory_catches_a_wrong_optimizer(tmp_path):
     arrays = {"x_train": data.normalize(ds.x_train), "y_train": ds.y_train, "x_val": data.normalize(ds.x_val),
               "orders": data.epoch_orders(len(ds.y_train), 1, w.seed)}
     rows = []
-    cell = worker.Cell(b, w, arrays, lambda m: rows.append(checks.trajectory(m, w) if m.get("losses") else m))
+    cell = worker.Repeat(b, w, arrays, lambda m: rows.append(checks.trajectory(m, w) if m.get("losses") else m))
     worker._parity(cell, weights, 5, {"type": "row"})
     traj = rows[-1]
     assert traj["parity_step"] is not None and traj["parity_step"] <= 5

@@ -234,14 +234,14 @@ def arrays(wl: wl_mod.Workload) -> tuple[np.ndarray, ...]:
 
 def test_backend_trains_mnist_above_chance() -> None:
     from benchbackend.data.datasets import epoch_orders
-    from benchbackend.run.worker import Cell
+    from benchbackend.run.worker import Repeat
 
     wl = mnist(512)
     backend = NumpyBackend(wl, "cpu", "reference")
     assert backend.build(initial_weights(wl)) == param_count(wl)
     x_train, y_train, x_val, y_val, x_test, y_test = arrays(wl)
     backend.set_data(x_train, y_train)
-    cell = Cell(backend, wl, {"x_val": x_val, "y_val": y_val, "x_test": x_test, "y_test": y_test}, lambda m: None)
+    cell = Repeat(backend, wl, {"x_val": x_val, "y_val": y_val, "x_test": x_test, "y_test": y_test}, lambda m: None)
     losses = []
     for order in epoch_orders(512, 4, wl.seed):
         (loss, acc), _ = cell.region(lambda: backend.train_epoch(order))

@@ -56,7 +56,7 @@ def _load_arrays(path: str) -> dict[str, np.ndarray]:
     return arrays
 
 
-class Cell:
+class Repeat:
     """One repeat of one (workload, backend, mode, precision) inside this process."""
 
     def __init__(self, backend: Any, workload: Any, arrays: dict[str, np.ndarray], emit: Emit,
@@ -129,7 +129,7 @@ class Cell:
         return self.region(lambda: self.backend.scores(x, self.workload.inference.batch_size))
 
 
-def _parity(cell: Cell, weights: list[np.ndarray], steps: int, base: dict[str, Any], trains: bool = True,
+def _parity(cell: Repeat, weights: list[np.ndarray], steps: int, base: dict[str, Any], trains: bool = True,
             replicas: int = 1) -> None:
     from ..backends.numpy import reference
     from . import truth
@@ -197,7 +197,7 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
     weights = initial_weights(workload, job.repeat)
     threads = _threads(backend, job)
     device = canonical_device(backend.device_id())
-    cell = Cell(backend, workload, arrays, emit, cores=(threads or os.cpu_count() or 1) * job.options.replicas)
+    cell = Repeat(backend, workload, arrays, emit, cores=(threads or os.cpu_count() or 1) * job.options.replicas)
     base: dict[str, Any] = {"type": "row"}
     on_device = bool(backend.place_data(cell.placed_bytes(job.trains)))
     emit({"type": "info", **environment(), "backend_version": backend.version(), "device": device,
@@ -207,7 +207,7 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
 
     def build_and_place() -> int:
         params = backend.build(weights)
-        cell.place(job.trains)  # the one-off copy to the device, timed here (see Cell.place)
+        cell.place(job.trains)  # the one-off copy to the device, timed here (see Repeat.place)
         return params
 
     backend.reset_device_peak()  # the cell's own peak (an earlier cell may have run in this process)
@@ -242,7 +242,7 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
     _infer(cell, base)
 
 
-def _infer(cell: Cell, base: dict[str, Any]) -> None:
+def _infer(cell: Repeat, base: dict[str, Any]) -> None:
     """The timed inference passes over the test set (the first carries warm-up)."""
     from ..backends.base import accuracy
 
@@ -254,7 +254,7 @@ def _infer(cell: Cell, base: dict[str, Any]) -> None:
                    "accuracy": accuracy(np.asarray(scores), labels), **_memory(cell.backend), **cell.load})
 
 
-def _train(cell: Cell, base: dict[str, Any]) -> bool:
+def _train(cell: Repeat, base: dict[str, Any]) -> bool:
     """Timed epochs, each followed by an untimed validation pass. False when a loss went NaN/inf."""
     arrays, workload, backend = cell.arrays, cell.workload, cell.backend
     n_train = len(arrays["y_train"])
