@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
@@ -69,18 +70,46 @@ from .spec import gpu_index
 __all__ = ["Backend", "CupyMemory", "accuracy", "batches", "cross_entropy", "gemm_rate", "gpu_index"]
 
 
+@dataclass(frozen=True)
+class Options:
+    """The run's options for one cell, as the adapter reads them (``Backend.options``): threads, the
+    steps a dispatch runs (``jax:scan``), the tuning budget (``tvm:tuned``), the peak, the replicas'
+    engine settings. The runner makes one per cell (``run.plan``); a typed record, never a dict."""
+
+    threads: Optional[int] = None
+    steps_per_execution: int = 32
+    tune_trials: int = 64
+    peak_tflops: Optional[float] = None
+    #: The cell's data-parallel replicas (set per cell by the runner) and ``--scale-lr`` (``replicas``).
+    replicas: int = 1
+    scale_lr: str = "none"
+    #: ``--scaling``: strong (the global batch fixed, split over the replicas) or weak (the
+    #: per-replica batch fixed: the global batch is N times the workload's) (``replicas``).
+    scaling: str = "strong"
+    #: This replica's rank and the address of a process group made outside the worker (Ray Train's
+    #: workers, one per replica, each running the whole cell: ``executors/ray_train.py``); "" when
+    #: the cell's worker starts the other replicas itself.
+    rank: int = 0
+    rendezvous: str = ""
+
+
+def as_options(options: "Options | Mapping[str, Any] | None") -> Options:
+    """``options`` as the record (a plug-in or a test may still hand a mapping of its fields)."""
+    return options if isinstance(options, Options) else Options(**dict(options or {}))
+
+
 class Backend(ABC):
     #: Registry name, e.g. "torch".
     name: ClassVar[str] = ""
 
     def __init__(self, workload: Workload, device: str, mode: str, precision: str = "fp32",
-                 options: Optional[Mapping[str, Any]] = None):
+                 options: "Options | Mapping[str, Any] | None" = None):
         self.workload = workload
         self.requested_device = device
         self.mode = mode
         self.precision = precision
         #: Run options that some modes use (``steps_per_execution``, ``tune_trials``, ``threads``, ...).
-        self.options: dict[str, Any] = dict(options or {})
+        self.options: Options = as_options(options)
 
     # --- identity -------------------------------------------------------------------------
     @classmethod

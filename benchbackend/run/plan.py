@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from ..backends import registry as backends
+from ..backends.base import Options
 from ..errors import BackendUnavailable, WorkloadError
 from ..spec.workload import Workload, load
 
@@ -27,27 +28,6 @@ ORDERS = ("interleaved", "sequential")
 #: chance check (checks.chance_accuracy): the network has too little to learn from, so a
 #: chance_accuracy status would say nothing about the backend.
 MIN_PER_CLASS = 10
-
-
-@dataclass(frozen=True)
-class Options:
-    """Run options that some adapters use; adapters read them as a mapping (``Backend.options``)."""
-
-    threads: Optional[int] = None
-    steps_per_execution: int = 32
-    tune_trials: int = 64
-    peak_tflops: Optional[float] = None
-    #: The cell's data-parallel replicas (set per cell by the runner) and ``--scale-lr`` (``replicas``).
-    replicas: int = 1
-    scale_lr: str = "none"
-    #: ``--scaling``: strong (the global batch fixed, split over the replicas) or weak (the
-    #: per-replica batch fixed: the global batch is N times the workload's) (``replicas``).
-    scaling: str = "strong"
-    #: This replica's rank and the address of a process group made outside the worker (Ray Train's
-    #: workers, one per replica, each running the whole cell: ``executors/ray_train.py``); "" when
-    #: the cell's worker starts the other replicas itself.
-    rank: int = 0
-    rendezvous: str = ""
 
 
 @dataclass(frozen=True)

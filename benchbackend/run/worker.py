@@ -34,7 +34,6 @@ import os
 import platform
 import sys
 import traceback
-from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -177,7 +176,7 @@ def run_job(job: Job, emit: Emit) -> None:
     workload = scaled(job.workload, o.replicas, o.scale_lr, o.scaling)
     try:
         cls = load_class(job.target)
-        backend = cls(workload, job.device, job.mode, job.precision, asdict(job.options))
+        backend = cls(workload, job.device, job.mode, job.precision, job.options)
     except (BackendUnavailable, ImportError) as exc:
         emit({"type": "unavailable", "message": str(exc).splitlines()[0] if str(exc) else repr(exc)})
         return

@@ -11,7 +11,7 @@ would take a per-step epsilon, so the three Keras update rules are written out (
 Modes:
 
 - ``jit``: one jitted train step per batch (one host dispatch per step);
-- ``scan``: ``lax.scan`` runs K = ``options["steps_per_execution"]`` steps per dispatch (the
+- ``scan``: ``lax.scan`` runs K = ``options.steps_per_execution`` steps per dispatch (the
   analogue of Keras' ``steps_per_execution``, one of the two reasons a TPU is fast). The full
   batches left after the last whole block and the final short batch go through the same jitted
   step as ``jit``, so both modes train on the same batches with the same updates and the same
@@ -137,7 +137,7 @@ class JaxBackend(Backend):
         if precision not in ("fp32", "tf32", "bf16"):
             raise BackendUnavailable(f"jax: precision '{precision}' is not supported; use fp32, tf32 or bf16")
         self.math = set_math(self.device, precision, self.name)
-        spe = self.options.get("steps_per_execution") or DEFAULT_STEPS_PER_EXECUTION
+        spe = self.options.steps_per_execution or DEFAULT_STEPS_PER_EXECUTION
         self.k = int(spe) if mode == "scan" else 1
         if self.k < 1:
             raise BackendUnavailable(f"jax: steps_per_execution must be >= 1; got {spe}")

@@ -41,7 +41,7 @@ Tests plant the traps the trajectory check must catch by overriding ``_reduce`` 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,7 @@ from ...errors import BackendUnavailable
 from ...spec.replicas import shards
 from ...spec.replicas import weights as shard_weights
 from ...spec.workload import Workload
-from ..base import gemm_rate
+from ..base import Options, as_options, gemm_rate
 from ..spec import gpu_index
 from .adapter import JaxBackend
 from .graph import Params
@@ -96,11 +96,11 @@ class JaxShardedBackend(JaxBackend):
     name = "jax"
 
     def __init__(self, workload: Workload, device: str, mode: str = "jit", precision: str = "fp32",
-                 options: Optional[dict[str, Any]] = None):
-        opts = dict(options or {})
+                 options: "Options | Mapping[str, Any] | None" = None):
+        opts = as_options(options)
         #: The number of replicas: devices of the mesh.
-        self.world = int(opts.get("replicas") or 1)
-        if opts.get("rendezvous"):  # Ray Train's one process per replica: jax.distributed, not done here
+        self.world = opts.replicas or 1
+        if opts.rendezvous:  # Ray Train's one process per replica: jax.distributed, not done here
             raise BackendUnavailable("jax: --replicas across processes (a rendezvous) is not implemented; "
                                      "the jax engine runs its replicas as devices of one process")
         if not device.startswith("tpu") and gpu_index(device, self.name) is None:

@@ -40,7 +40,7 @@ this module, and with it keras and jax, which starts no backend, so a forked wor
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import keras
@@ -48,6 +48,7 @@ import numpy as np
 
 from ...errors import BackendUnavailable
 from ...spec.workload import Workload
+from ..base import Options, as_options
 from .adapter import KerasJaxBackend
 from .layers import KerasNet
 
@@ -115,11 +116,11 @@ class KerasJaxDataParallelBackend(KerasJaxBackend):
     name = "keras-jax"
 
     def __init__(self, workload: Workload, device: str, mode: str = "fit", precision: str = "fp32",
-                 options: Optional[dict[str, Any]] = None):
-        opts = dict(options or {})
+                 options: "Options | Mapping[str, Any] | None" = None):
+        opts = as_options(options)
         #: The number of replicas: devices of the mesh.
-        self.world = int(opts.get("replicas") or 1)
-        if opts.get("rendezvous"):
+        self.world = opts.replicas or 1
+        if opts.rendezvous:
             raise BackendUnavailable("keras-jax: replicas in processes of their own (Ray Train) are not implemented: "
                                      "keras.distribution.DataParallel here runs N devices of one process")
         if any(layer.type == "batchnorm" for layer in workload.model):
@@ -128,7 +129,7 @@ class KerasJaxDataParallelBackend(KerasJaxBackend):
                                      "batch (synchronized), not per replica as --replicas specifies")
         if device == "cpu":
             count_cpu_devices(self.world, "keras-jax")  # before anything starts JAX's CPU backend
-        super().__init__(workload, device, mode, precision, options)
+        super().__init__(workload, device, mode, precision, opts)
         found = jax.devices(self._dev.platform)
         mesh = found[found.index(self._dev):][:self.world]  # --device's and the next N - 1
         if len(mesh) < self.world:

@@ -70,7 +70,7 @@ class OnnxRuntimeBackend(Backend):
         return "cpu" if self.index is None else f"cuda:{self.index}"
 
     def threads(self) -> int:
-        return int(self.options.get("threads") or os.cpu_count() or 1)
+        return int(self.options.threads or os.cpu_count() or 1)
 
     def details(self) -> dict[str, Any]:
         providers = self.session.get_providers() if self.session is not None else [self.provider]
@@ -80,8 +80,8 @@ class OnnxRuntimeBackend(Backend):
         model = onnx_graph.build_model(self.workload, weights)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if self.options.get("threads"):
-            opts.intra_op_num_threads = int(self.options["threads"])
+        if self.options.threads:
+            opts.intra_op_num_threads = self.options.threads
         provider = self.provider_spec()
         self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=[provider])
         if self.session.get_providers()[0] != self.provider:

@@ -67,7 +67,7 @@ class OpenVinoBackend(Backend):
         return "cpu" if self.index is None else f"gpu:{self.index}"
 
     def threads(self) -> int:
-        return int(self.options.get("threads") or os.cpu_count() or 1)
+        return int(self.options.threads or os.cpu_count() or 1)
 
     def details(self) -> dict[str, Any]:
         if self.compiled is None:
@@ -86,8 +86,8 @@ class OpenVinoBackend(Backend):
         model = onnx_graph.build_model(self.workload, weights)
         config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": _PRECISIONS[self.precision],
                                   "PERFORMANCE_HINT": _HINTS[self.mode]}
-        if self.options.get("threads"):
-            config["INFERENCE_NUM_THREADS"] = int(self.options["threads"])
+        if self.options.threads:
+            config["INFERENCE_NUM_THREADS"] = self.options.threads
         self.compiled = self.core.compile_model(self.core.read_model(model.SerializeToString()), self.plugin, config)
         self.request = self.compiled.create_infer_request()
         self.queue = ov.AsyncInferQueue(self.compiled) if self.mode == "throughput" else None

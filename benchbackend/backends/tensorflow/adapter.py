@@ -41,7 +41,7 @@ class TensorFlowBackend(Backend):
     def __init__(self, workload: Workload, device: str, mode: str = "tf.function", precision: str = "fp32",
                  options: Mapping[str, Any] | None = None):
         super().__init__(workload, device, mode, precision, options)
-        threads = self.options.get("threads")
+        threads = self.options.threads
         if threads:  # must precede any TensorFlow op
             tf.config.threading.set_intra_op_parallelism_threads(int(threads))
             tf.config.threading.set_inter_op_parallelism_threads(int(threads))

@@ -36,7 +36,8 @@ shards, a dropped remainder), ``_scale`` (summed gradients) or ``_optimizer`` (l
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
 
 import keras
 import numpy as np
@@ -46,7 +47,7 @@ from ...errors import BackendUnavailable
 from ...spec.replicas import shards
 from ...spec.replicas import weights as shard_weights
 from ...spec.workload import Workload
-from ..base import gpu_index
+from ..base import Options, as_options, gpu_index
 from ..keras.layers import KerasNet, keras3_optimizer
 from .adapter import TensorFlowBackend
 
@@ -57,18 +58,18 @@ class TensorFlowMirroredBackend(TensorFlowBackend):
     name = "tensorflow"
 
     def __init__(self, workload: Workload, device: str, mode: str = "tf.function", precision: str = "fp32",
-                 options: Optional[Mapping[str, Any]] = None):
-        opts = dict(options or {})
+                 options: "Options | Mapping[str, Any] | None" = None):
+        opts = as_options(options)
         #: The number of replicas (one strategy in this process drives them all).
-        self.world = int(opts.get("replicas") or 1)
-        if opts.get("rendezvous"):
+        self.world = opts.replicas or 1
+        if opts.rendezvous:
             raise BackendUnavailable("tensorflow: replicas across processes or nodes are not implemented "
                                      "(MirroredStrategy runs every replica in one process)")
         first = gpu_index(device, self.name)
         if first is None:
             _logical_cpus(self.world)  # before any TensorFlow op, like the threads below
-        if opts.get("threads"):  # the runner's threads per replica; the pool is the process's, shared
-            opts["threads"] = int(opts["threads"]) * self.world
+        if opts.threads:  # the runner's threads per replica; the pool is the process's, shared
+            opts = replace(opts, threads=opts.threads * self.world)
         super().__init__(workload, device, mode, precision, opts)
         if first is None:
             self.devices = [f"/CPU:{r}" for r in range(self.world)]

@@ -95,8 +95,8 @@ class TorchBackend(Backend):
     def __init__(self, workload: Workload, device: str, mode: str = "eager", precision: str = "fp32",
                  options: Mapping[str, Any] | None = None):
         super().__init__(workload, device, mode, precision, options)
-        if self.options.get("threads"):
-            torch.set_num_threads(int(self.options["threads"]))
+        if self.options.threads:
+            torch.set_num_threads(self.options.threads)
         self.device = cuda_device(device, self.name)
         if precision not in _AMP:
             raise BackendUnavailable(f"torch: precision '{precision}' is not supported; use fp32, tf32, bf16 or fp16")

@@ -13,8 +13,8 @@ A replica whose pipe closes (replica 0 is gone) exits.
 
 Across nodes (``executors/ray_train.py``) the replicas are started by Ray Train instead, one worker
 per replica, each running the whole cell (SPMD: build, parity, epochs, validation, inference, in
-the same order on the same data and weights); ``options["rendezvous"]`` then names the process
-group's address and ``options["rank"]`` this replica's rank. The adapter spawns nothing and tells
+the same order on the same data and weights); ``options.rendezvous`` then names the process
+group's address and ``options.rank`` this replica's rank. The adapter spawns nothing and tells
 no one: it joins the group when the training arrays arrive and otherwise trains as replica 0 does
 here. Only rank 0's rows are kept. A replica whose launcher is gone (its Ray Train worker killed,
 its node lost) exits rather than wait in a collective for peers that will not come; ``barrier``
@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import warnings
+from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -51,6 +52,7 @@ from ...errors import BackendUnavailable
 from ...spec.replicas import shards
 from ...spec.replicas import weights as shard_weights
 from ...spec.workload import Workload
+from ..base import Options, as_options
 from .adapter import TorchBackend
 
 # A 1-channel kernel's gradient can come back with other (equivalent) strides than DDP's bucket
@@ -62,15 +64,15 @@ class TorchDDPBackend(TorchBackend):
     name = "torch"
 
     def __init__(self, workload: Workload, device: str, mode: str = "eager", precision: str = "fp32",
-                 options: Optional[Mapping[str, Any]] = None):
-        opts = dict(options or {})
+                 options: "Options | Mapping[str, Any] | None" = None):
+        opts = as_options(options)
         #: This replica's rank (0: the worker's own process) and the number of replicas.
-        self.rank = int(opts.pop("rank", 0))
-        self.world = int(opts.get("replicas") or 1)
+        self.rank = opts.rank
+        self.world = opts.replicas or 1
         #: The address of a group made outside the worker (Ray Train's replicas); "" when replica 0
         #: starts the others itself.
-        self.rendezvous = str(opts.pop("rendezvous", "") or "")
-        super().__init__(workload, device, mode, precision, opts)
+        self.rendezvous = opts.rendezvous
+        super().__init__(workload, device, mode, precision, replace(opts, rank=0, rendezvous=""))
         if self.device.type == "cuda" and not self.rendezvous:  # Ray Train shows each replica its own GPU
             first = self.device.index or 0
             if first + self.world > torch.cuda.device_count():
@@ -307,7 +309,7 @@ class TorchDDPBackend(TorchBackend):
 def _serve(setup: tuple, rank: int, store: str, pipe: Any, x: torch.Tensor, y: torch.Tensor) -> None:
     """A replica other than 0 (a spawned process): build, join, then run replica 0's commands."""
     cls, workload, device, mode, precision, options = setup
-    replica = cls(workload, device, mode, precision, {**options, "rank": rank})
+    replica = cls(workload, device, mode, precision, replace(options, rank=rank))
     replica._join(f"file://{store}")
     try:  # an exception's traceback goes to the worker's stderr (multiprocessing prints it)
         replica.x_train, replica.y_train = x.to(replica._held()), y.to(replica._held())

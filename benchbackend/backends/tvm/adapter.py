@@ -169,7 +169,7 @@ class TVMBackend(Backend):
         if device != "cpu":
             raise BackendUnavailable(f"tvm: this adapter compiles for the host CPU (llvm) only, not '{device}'; "
                                      "use --device cpu")
-        self._threads = int(self.options.get("threads") or os.cpu_count() or 1)
+        self._threads = int(self.options.threads or os.cpu_count() or 1)
         # TVM's runtime thread pool reads this when it starts (at the first parallel kernel);
         # MetaSchedule's measuring processes inherit it.
         os.environ["TVM_NUM_THREADS"] = str(self._threads)
@@ -216,7 +216,7 @@ class TVMBackend(Backend):
         if self.mode != "tuned":
             return None
         assert self._mod is not None, "build() first"
-        trials = int(self.options.get("tune_trials") or DEFAULT_TUNE_TRIALS)
+        trials = int(self.options.tune_trials or DEFAULT_TUNE_TRIALS)
         folder = self.database_dir(trials)
         started = time.perf_counter()
         if (folder / "summary.json").is_file():
