@@ -61,9 +61,9 @@ def busy_note(rows: Iterable[Mapping[str, Any]]) -> str:
     if not busy:
         return ""
     names = {"train_epoch": "its training epochs", "inference": "its inference passes"}
-    parts = [f"{v:.0%} {'of this cell' + chr(39) + 's cores ' if i == 0 else ''}during {names[p]}"
-             for i, (p, v) in enumerate(busy.items())]
-    return (f"machine busy: other processes held {' and '.join(parts)} (over {BUSY_SHARE:.0%}); "
+    first, *rest = [f"{v:.0%} during {names[p]}" for p, v in busy.items()]
+    first = first.replace(" during ", " of this cell's cores during ", 1)
+    return (f"machine busy: other processes held {' and '.join([first, *rest])} (over {BUSY_SHARE:.0%}); "
             "compare gives no verdict on these timings")
 
 

@@ -173,11 +173,11 @@ def _group_info(df: pd.DataFrame, reps: pd.DataFrame) -> pd.DataFrame:
     })
     info.index.names = GROUP_KEYS
     timed = reps[reps["timed"]]
-    by_timed = timed.groupby(level=list(range(len(GROUP_KEYS))), sort=True)
+    level = list(range(len(GROUP_KEYS)))
     for phase in ("train", "infer"):
-        info[f"{phase}_busy"] = by_timed.apply(lambda r, p=phase: int(is_busy(r, p).sum())).reindex(
-            info.index).fillna(0).astype(int) if len(timed) else 0
-        info[f"{phase}_busy_share"] = by_timed[f"{phase}_busy"].max().reindex(info.index) if len(timed) else math.nan
+        busy = is_busy(timed, phase).groupby(level=level).sum()
+        info[f"{phase}_busy"] = busy.reindex(info.index).fillna(0).astype(int)
+        info[f"{phase}_busy_share"] = timed[f"{phase}_busy"].groupby(level=level).max().reindex(info.index)
     left = by_rep["left_out"].sum().astype(int)
     info["busy_left_out"] = left
     info["ok_repeats"] -= left
