@@ -212,7 +212,9 @@ def test_the_same_run_on_a_quiet_machine_gives_a_verdict(tmp_path: Path) -> None
         pytest.skip(f"this test needs a quiet machine, and {seen.text()}")
     got, path = _run(tmp_path, "quiet")
     assert "the machine is busy" not in got.stderr and "machine busy" not in got.stderr, got.stderr[-2000:]
-    assert _shares(path).max() <= busy.BUSY_SHARE * 2  # one pass's ticks are coarse; the phase's are not
+    # One pass's ticks are coarse (a 10 ms tick in a 40 ms pass reads as 25%), so the claim is about
+    # the typical pass, which the hog test above holds above 0.3: what the rule judges is the phase.
+    assert _shares(path).median() <= busy.BUSY_SHARE
     out = compare.run_compare([str(path)])
     candidate = out.groups[out.groups["infer_verdict"] != "baseline"].iloc[0]
     assert candidate["infer_verdict"] in ("faster", "slower", "not significant")
