@@ -101,6 +101,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.longrepr = f"BENCHBACKEND_REQUIRE_ALL=1 and this would have skipped: {report.longrepr}"
 
 
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` for a child that a test stops with SIGINT as Ctrl-C at a terminal would: a test
+    run started in the background by a shell without job control inherits SIGINT ignored (Python
+    keeps an ignored SIGINT), and a thread of a library may have it blocked in the mask a fork copies."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def cli(*args: str, cwd: Path | None = None, timeout: float = 900, env: dict | None = None):
     """Run the real CLI as a subprocess (python -m benchbackend)."""
     import subprocess

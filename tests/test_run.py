@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from benchbackend import results
 from benchbackend.cli import main
-from conftest import ROOT, cli, requires_tf, requires_torch
+from conftest import ROOT, cli, ctrl_c_reaches_it, requires_tf, requires_torch
 
 pytestmark = pytest.mark.slow
 
@@ -171,10 +171,7 @@ def test_ctrl_c_writes_what_was_measured_and_exits_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "benchbackend", "run", "mnist", "-b", "tensorflow", "--data",
                              "synthetic", "--limit", "2048", "--epochs", "50", "--repeats", "1", "-o", str(out_csv),
                              "--no-plots"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # A test run started in the background by a shell without job control
-                            # inherits SIGINT ignored, and Python keeps an ignored SIGINT: the run
-                            # then went all 50 epochs. Ctrl-C at a terminal is what is tested.
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=ctrl_c_reaches_it)
     deadline = time.time() + 240
     while time.time() < deadline:
         if out_csv.exists() and "train_epoch" in out_csv.read_text():
