@@ -17,6 +17,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 #: would show its first repeat's MFU against it. Tests that need an empty cache still set their own.
 os.environ["BENCHBACKEND_CACHE"] = str(ROOT / ".pytest_cache" / "d" / "benchbackend-cache")
 
+#: Under pytest-xdist, each test process gets one core of its own: the frameworks its cells start
+#: (and the ones it imports) run one thread unless a test asks for more (``--threads``, which sets
+#: these for its worker). With every framework's default, two test processes on two cores ran four
+#: or more spinning pools against each other, and the suite took 30% longer (measured on
+#: test_keras3, test_run, test_fast_modes and test_graph_backends: 193 s against 135 s). The
+#: product's own default (all cores for the one cell that runs) is tested where it is measured,
+#: by the quiet-machine tests, which run without xdist.
+ONE_CORE = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
+            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var, _value in ONE_CORE.items():
+        os.environ.setdefault(_var, _value)
 
 #: The ONNX Runtime/OpenVINO tests run in a pytest of their own (tests/test_isolated.py starts it,
 #: setting BENCHBACKEND_ISOLATED): this session does not collect them, rather than skip them.

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import pytest
+import yaml
 from pydantic import TypeAdapter
 
 from benchbackend import results
@@ -23,7 +24,7 @@ from benchbackend.spec import graph as graph_mod
 from benchbackend.spec import model, workload
 from benchbackend.spec.layers import GELU_TANH, LAYER_TYPES, activation_name
 from benchbackend.spec.workload import Layer
-from conftest import numeric_grad
+from conftest import ROOT, numeric_grad
 
 EMBED = [{"type": "conv2d", "filters": 6, "kernel_size": 2, "stride": 2, "padding": "valid"}, {"type": "tokens"}]
 HEAD = [{"type": "select_token"}, {"type": "dense", "units": 3, "activation": "softmax"}]
@@ -281,8 +282,13 @@ def test_vit_tiny_runs_on_numpy_and_a_backend_that_cannot_build_it_says_unavaila
                                                                                      monkeypatch: Any) -> None:
     monkeypatch.setitem(BACKENDS, "torch", replace(BACKENDS["torch"], builds=CNN_LAYERS))
     out_csv = tmp_path / "vit.csv"
-    # inference-only: training vit-tiny on numpy is test_vit_backends' smoke; this is about the plan
-    out = run_here(monkeypatch, "vit-tiny", "-b", "numpy", "-b", "torch", "--data", "synthetic", "--limit", "256",
+    # inference-only, on 32 test images and one pass: training vit-tiny on numpy is test_vit_backends'
+    # smoke; this is about the plan (single-threaded, 256 images x 5 passes took 55 s of the suite)
+    spec = yaml.safe_load((ROOT / "workloads" / "vit-tiny.yaml").read_text())
+    spec["data"].update(train=32, validation=32, test=32)
+    spec["inference"] = {"batch_size": 32, "repeats": 1}
+    (tmp_path / "vit-tiny.yaml").write_text(yaml.safe_dump(spec))
+    out = run_here(monkeypatch, str(tmp_path / "vit-tiny.yaml"), "-b", "numpy", "-b", "torch", "--data", "synthetic",
                    "--inference-only", "--repeats", "1", "-o", str(out_csv))
     df = results.read(out_csv)
     assert out.exit_code == 1, out.output  # an unavailable cell fails the run (README: exit codes)
