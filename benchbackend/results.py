@@ -32,7 +32,7 @@ PHASES = ("build", "tune", "parity", "train_epoch", "inference", "run")
 #: Cell statuses, best first; "worst" is the highest index. ``pending``: the cell had not ended
 #: when the row was written (a parent killed outright leaves it so). ``retried``: an attempt lost
 #: with its node and run again (``--retries``); its rows are kept for the record and feed nothing.
-STATUSES = ("ok", "parity_mismatch", "chance_accuracy", "diverged", "nan_loss", "unavailable", "timeout",
+STATUSES = ("ok", "parity_mismatch", "future_leak", "chance_accuracy", "diverged", "nan_loss", "unavailable", "timeout",
             "interrupted", "crashed", "retried", "pending")
 PENDING = "pending"
 RETRIED = "retried"

@@ -131,5 +131,5 @@ def test_the_all_extra_installs_every_backend_extra_and_ray():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     (req,) = extras["all"]
     named = set(re.fullmatch(r"benchbackend\[(.*)\]", req).group(1).split(","))
-    wanted = {s.extra for s in backends.BACKENDS.values() if s.extra} | {"ray"}
+    wanted = {s.extra for s in backends.BACKENDS.values() if s.extra} | {"ray", "text"}
     assert named == wanted and wanted <= set(extras)

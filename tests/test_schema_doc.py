@@ -34,7 +34,7 @@ def test_every_field_of_every_model_is_documented() -> None:
         assert _documented(text, section) == set(model.model_fields), section
     layers = text.split("#### Layers (`model[]`)", 1)[1]
     for kind, cls in LAYER_CLASSES.items():
-        part = layers.split(f"`type: {kind}`\n", 1)[1].split("\n`type: ", 1)[0]
+        part = layers.split(f"`type: {kind}`\n", 1)[1].split("\n`type: ", 1)[0].split("\n#### ", 1)[0]
         fields = set(re.findall(r"^\| `([a-z_]+)` \|", part, re.M))
         assert fields == set(cls.model_fields) - {"type", "name", "inputs"}, kind
 
@@ -52,7 +52,7 @@ def test_types_defaults_and_allowed_values_are_the_models() -> None:
     assert _row(text, "(top level)", "description")[2] == '`""`'
     optimizer = _row(text, "training", "optimizer")
     assert optimizer[2] == "required" and optimizer[3] == "`sgd`, `adam`, `rmsprop`"
-    assert _row(text, "data", "dataset")[3] == "`mnist`, `cifar10`, `synthetic`, `npz`"
+    assert _row(text, "data", "dataset")[3] == "`mnist`, `cifar10`, `synthetic`, `npz`, `tokens`"
     conv = text.split("`type: conv2d`", 1)[1]
     assert _row(conv, "", "stride")[1:3] == ["integer", "`1`"]  # `stride`, not `strides`
     assert "`relu`" in _row(conv, "", "activation")[3] and "`softmax`" in _row(conv, "", "activation")[3]

@@ -17,12 +17,12 @@ from benchbackend import results
 from benchbackend.backends.numpy import transformer as tr
 from benchbackend.backends.numpy.reference import Network, forward
 from benchbackend.backends.registry import BACKENDS
-from benchbackend.backends.spec import CNN_LAYERS, TRANSFORMER_LAYERS, Mode
+from benchbackend.backends.spec import CNN_LAYERS, DECODER_LAYERS, TRANSFORMER_LAYERS, Mode
 from benchbackend.errors import WorkloadError
 from benchbackend.run import plan
 from benchbackend.spec import graph as graph_mod
 from benchbackend.spec import model, workload
-from benchbackend.spec.layers import GELU_TANH, LAYER_TYPES, activation_name
+from benchbackend.spec.layers import GELU_TANH, LAYER_TYPES, Attention, activation_name
 from benchbackend.spec.workload import Layer
 from conftest import ROOT, numeric_grad
 
@@ -141,7 +141,7 @@ def test_attention_is_the_naive_per_head_loop_scaled_by_one_over_sqrt_head_dim()
     shapes = [(d, heads * head_dim), (heads * head_dim,)] * 3 + [(heads * head_dim, d), (d,)]
     w = [rng.standard_normal(s) for s in shapes]
     x = rng.standard_normal((2, 6, d))
-    got = tr.attention(x, w, heads, head_dim)[0]
+    got = tr.attention(x, w, Attention(type="attention", heads=heads, head_dim=head_dim))[0]
     np.testing.assert_allclose(got, naive_attention(x, w, heads, head_dim), rtol=1e-12, atol=1e-12)
     # An unscaled or a transposed (dim-major) attention would fail the line above by this much:
     assert np.abs(got - naive_attention(x, w, heads, head_dim, scale=False)).max() > 1e-2
@@ -220,8 +220,8 @@ def test_layers_that_do_not_fit_name_themselves(specs: list[dict], message: str)
 
 
 def test_the_registry_declares_what_each_adapter_builds() -> None:
-    assert set(CNN_LAYERS) | set(TRANSFORMER_LAYERS) == set(LAYER_TYPES) | {"gelu"}
-    assert set(BACKENDS["numpy"].builds) == set(CNN_LAYERS) | set(TRANSFORMER_LAYERS)
+    assert set(CNN_LAYERS) | set(TRANSFORMER_LAYERS) | set(DECODER_LAYERS) >= set(LAYER_TYPES) | {"gelu"}
+    assert set(BACKENDS["numpy"].builds) == set(CNN_LAYERS) | set(TRANSFORMER_LAYERS) | set(DECODER_LAYERS)
     words = model.vocabulary(workload.load("vit-tiny"))
     assert {"attention", "layernorm", "gelu", "tokens"} <= words
     assert model.vocabulary(workload.load("resnet8")) <= set(CNN_LAYERS)

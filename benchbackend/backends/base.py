@@ -277,15 +277,20 @@ def batches(order: np.ndarray, batch_size: int):
 
 
 def accuracy(scores: np.ndarray, labels: np.ndarray) -> float:
-    return float(np.mean(np.argmax(scores, axis=1) == labels)) if len(labels) else float("nan")
+    """The share of predictions whose top score is the label: one per sample, or one per position
+    of a token sequence (scores (N, T, V), labels (N, T))."""
+    labels = np.asarray(labels)
+    return float(np.mean(np.argmax(scores, axis=-1) == labels)) if labels.size else float("nan")
 
 
 def cross_entropy(probs: np.ndarray, labels: np.ndarray) -> float:
-    """Mean categorical cross-entropy of class probabilities, clipped as Keras clips (1e-7)."""
-    if len(labels) == 0:
+    """Mean categorical cross-entropy of class probabilities, clipped as Keras clips (1e-7): over
+    the samples, or over every position of token sequences (the next-token loss)."""
+    labels = np.asarray(labels)
+    if labels.size == 0:
         return float("nan")
-    p = np.clip(np.asarray(probs, np.float64)[np.arange(len(labels)), labels], 1e-7, 1.0 - 1e-7)
-    return float(-np.mean(np.log(p)))
+    picked = np.take_along_axis(np.asarray(probs, np.float64), labels[..., None].astype(np.int64), axis=-1)
+    return float(-np.mean(np.log(np.clip(picked, 1e-7, 1.0 - 1e-7))))
 
 
 #: GEMM-probe sizes (n, matmuls per trial). On a CPU the best size differs by library and dtype

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import BackendUnavailable
-from .spec import CNN_LAYERS, TRANSFORMER_LAYERS, BackendSpec, Capabilities, Mode, gpu_index
+from .spec import CNN_LAYERS, DECODER_LAYERS, TRANSFORMER_LAYERS, BackendSpec, Capabilities, Mode, gpu_index
 
 __all__ = ["BACKENDS", "BackendSpec", "Capabilities", "Mode", "get", "installed", "isolated_envs", "problem",
            "register", "require", "require_any", "version"]
@@ -65,7 +65,7 @@ BACKENDS: dict[str, BackendSpec] = {
                     "NumPy reference (ground truth; CuPy on --device gpu)",
                     modes=(Mode("reference", "the NumPy/CuPy reference implementation, batch by batch"),),
                     precisions=("fp32", "fp64"), optional=("cupy",), devices=("cpu", *_GPU),
-                    builds=CNN_LAYERS + TRANSFORMER_LAYERS),
+                    builds=CNN_LAYERS + TRANSFORMER_LAYERS + DECODER_LAYERS),
         BackendSpec("torch", _adapter("torch.adapter", "TorchBackend"), ("torch",), "torch",
                     "pip install 'benchbackend[torch]' torch==2.13.0", "PyTorch (CPU, CUDA)",
                     modes=(Mode("eager", "define-by-run nn.Module (NCHW), one optimizer step per batch"),

@@ -67,6 +67,14 @@ CNN_LAYERS = ("conv2d", "maxpool2d", "dropout", "flatten", "dense", "activation"
 #: (dense, dropout, add, global_avgpool on tokens) and ``gelu`` for the GELU activation.
 TRANSFORMER_LAYERS = ("tokens", "class_token", "position_embedding", "layernorm", "attention", "select_token",
                       "gelu")
+#: The decoder's words (language models): its layer types, the ``silu`` activation, and the
+#: conventions each of which changes the numbers when an adapter ignores it (``model.vocabulary``).
+DECODER_LAYERS = ("embedding", "rmsnorm", "multiply", "silu", "causal", "rope", "kv_heads", "no_bias", "tied",
+                  "next_token")
+#: Words that are not layer types: what ``cannot_build`` names as conventions.
+_CONVENTIONS = {"causal": "the causal mask", "rope": "rotary positions", "kv_heads": "grouped key/value heads",
+                "no_bias": "layers without biases", "tied": "tied embeddings", "next_token": "next-token training",
+                "gelu": "the gelu activation", "silu": "the silu activation"}
 
 
 def _no_env(device: str) -> dict[str, str]:
@@ -118,11 +126,13 @@ class BackendSpec:
         (default: its first), "" when it can."""
         missing = sorted(set(words) - set(self.builds))
         if missing:
-            gelu = " and the gelu activation" if "gelu" in missing else ""
-            types = [w for w in missing if w != "gelu"]
-            what = f"layer types {', '.join(types)}{gelu}" if types else gelu.removeprefix(" and ")
+            types = [w for w in missing if w not in _CONVENTIONS]
+            others = [_CONVENTIONS[w] for w in missing if w in _CONVENTIONS]
+            parts = ([f"layer types {', '.join(types)}"] if types else []) + others
+            what = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+            plural = len(parts) > 1 or bool(types)
             why = f": {self.builds_note}" if self.builds_note else " by this adapter yet"
-            return f"{self.name}: {what} {'are' if types else 'is'} not implemented{why}"
+            return f"{self.name}: {what} {'are' if plural else 'is'} not implemented{why}"
         needs = next((m.needs for m in self.modes if m.name == mode), ())
         if needs and not set(needs) & set(words):
             return (f"{self.name}:{mode} is about {' or '.join(needs)} layers and this network has none "

@@ -103,6 +103,8 @@ def load(workload: Workload, source: str = "auto", data_dir: Optional[Path] = No
     ``path`` (``auto`` and ``real`` alike).
     """
     name = workload.data.dataset
+    if name == "tokens":  # generated whatever the source: the Markov source is the dataset
+        return token_sequences(workload)
     if source == "synthetic" or name == "synthetic":
         return synthetic(workload)
     if source not in ("auto", "real"):
@@ -333,6 +335,21 @@ def synthetic(workload: Workload) -> Dataset:
     return Dataset(*parts["train"], *parts["val"], *parts["test"], source="synthetic")
 
 
+def token_sequences(workload: Workload) -> Dataset:
+    """``dataset: tokens``: sequences of the workload's Markov source (``data/tokens.py``), one
+    stream per split, each of ``context + 1`` tokens: x the first ``context`` (int32), the labels
+    the same sequence shifted by one (int64, the next token at every position)."""
+    from .tokens import MarkovSource
+
+    spec = workload.data
+    source = MarkovSource(spec.vocab, spec.order, spec.branching, workload.seed)
+    parts = []
+    for stream, n in enumerate((spec.train, spec.validation, spec.test)):
+        seq = source.sample(n, spec.context + 1, stream)
+        parts += [np.ascontiguousarray(seq[:, :-1], np.int32), np.ascontiguousarray(seq[:, 1:], np.int64)]
+    return Dataset(*parts, source="synthetic")
+
+
 # --- helpers for training ----------------------------------------------------------------------
 
 _TAG_ORDERS = 1
@@ -355,11 +372,14 @@ def epoch_orders(n_train: int, epochs: int, seed: int) -> np.ndarray:
 
 def normalize(x: np.ndarray) -> np.ndarray:
     """The network's input: uint8 images -> float32 in [0, 1] (x / 255); float32 arrays (a user's
-    .npz of features) as they are."""
+    .npz of features) as they are; int32 token ids -> float32 ids (exact below 2**24: the
+    vocabulary's bound), which an ``embedding`` layer reads as whole numbers."""
     if x.dtype == np.float32:
         return x
+    if x.dtype == np.int32:
+        return x.astype(np.float32)
     if x.dtype != np.uint8:
-        raise TypeError(f"normalize expects uint8 images or float32 arrays, got {x.dtype}")
+        raise TypeError(f"normalize expects uint8 images, float32 arrays or int32 token ids, got {x.dtype}")
     out = x.astype(np.float32)
     out /= np.float32(255.0)
     return out

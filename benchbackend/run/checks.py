@@ -6,6 +6,7 @@ cell's status. NumPy only (SciPy is imported inside ``chance_pvalue``), so the w
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -82,6 +83,58 @@ def _chance(epochs: Sequence[dict[str, Any]], workload: Any) -> Optional[str]:
                           c.chance_alpha, c.chance_margin, what="training")
     return msg and (f"{msg}; judged on the training accuracy because after {steps} steps the batchnorm moving "
                     f"statistics still hold {share:.0%} of their initial values")
+
+
+#: A language model's validation loss must sit this many nats below the unigram entropy (what a
+#: model that ignores the context reaches at best) to count as learned (the chance check's token form).
+TOKEN_CHANCE_MARGIN = 0.05
+#: A validation loss below ``(1 - FUTURE_LEAK_MARGIN)`` times the data's entropy floor is
+#: ``future_leak``: no causal model gets there (the floor is the Bayes-optimal predictor's expected
+#: loss); a model that sees the next token does (a missing or shifted causal mask).
+FUTURE_LEAK_MARGIN = 0.1
+
+
+@functools.lru_cache(maxsize=8)
+def _token_bounds(vocab: int, order: int, branching: int, seed: int, context: int) -> tuple[float, float]:
+    from ..data.tokens import MarkovSource
+
+    source = MarkovSource(vocab, order, branching, seed)
+    pi = source.stationary()
+    marginal = pi if order == 1 else pi.reshape(vocab, vocab).sum(axis=0)  # a context is earlier * vocab + latest
+    marginal = marginal[marginal > 0]
+    return source.floor(context), float(-(marginal * np.log(marginal)).sum())
+
+
+def token_bounds(workload: Any) -> Optional[tuple[float, float]]:
+    """(floor, unigram entropy) in nats of a language model's synthetic data: the lowest expected
+    next-token loss any causal model can reach, and the loss of the best context-free guess
+    (the source's token frequencies). None for other data."""
+    d = workload.data
+    if d.dataset != "tokens":
+        return None
+    return _token_bounds(d.vocab, d.order, d.branching, workload.seed, d.context)
+
+
+def token_checks(epochs: Sequence[dict[str, Any]], workload: Any) -> Optional[tuple[str, str]]:
+    """(status, message) when a language model's final validation loss is below its data's floor
+    (``future_leak``) or not clearly below the unigram entropy (``chance_accuracy``, the token form
+    of the chance check), else None."""
+    bounds = token_bounds(workload)
+    loss = epochs[-1].get("val_loss")
+    if bounds is None:
+        return None
+    floor, unigram = bounds
+    if not finite(loss):
+        return "chance_accuracy", f"no final validation loss to check (the unigram entropy is {unigram:.3f} nats)"
+    if loss < (1 - FUTURE_LEAK_MARGIN) * floor:
+        return "future_leak", (f"validation loss {loss:.4f} is below the data's entropy floor {floor:.4f} nats, which "
+                               "no causal model can reach: the model sees tokens it should predict (a missing or "
+                               "shifted causal mask)")
+    if loss > unigram - TOKEN_CHANCE_MARGIN:
+        return "chance_accuracy", (f"validation loss {loss:.4f} is not below the unigram entropy {unigram:.4f} "
+                                   f"- {TOKEN_CHANCE_MARGIN} nats (a model that ignores the context; floor "
+                                   f"{floor:.4f})")
+    return None
 
 
 def parity_errors(out: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
@@ -168,7 +221,8 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
     """Final (status, message) of one cell from its worker rows (runner-level statuses aside).
 
     Order: ``nan_loss``, ``diverged``, ``parity_mismatch`` (forward at the precision's tolerance,
-    then the trajectory), ``chance_accuracy`` (only for cells that trained).
+    then the trajectory), then for cells that trained ``chance_accuracy``, or for a language model
+    ``future_leak`` and the token form of ``chance_accuracy`` (``token_checks``).
     """
     epochs = [r for r in rows if r.get("phase") == "train_epoch"]
     losses = [r.get("loss") for r in epochs]
@@ -190,6 +244,8 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
             msg = parity_mismatch(r["parity_max_abs"], r["parity_max_rel"], tol.rtol, tol.atol)
             if msg:
                 return "parity_mismatch", f"{msg} ({precision})"
+    if epochs and getattr(workload, "next_token", False):
+        return token_checks(epochs, workload) or ("ok", "")
     if epochs:
         msg = _chance(epochs, workload)
         if msg:

@@ -243,7 +243,7 @@ def size_warnings(workloads: list[Workload], limit: Optional[int], inference_onl
         if w.training.batch_size > train:
             out.append(f"{w.name}: batch size {w.training.batch_size:,} is larger than the {train:,} training samples: "
                        f"each epoch is one step of {train:,}, not a batch of {w.training.batch_size:,}")
-        if train < MIN_PER_CLASS * w.num_classes:
+        if train < MIN_PER_CLASS * w.num_classes and not w.next_token:  # a sequence has a label per token
             out.append(f"{w.name}: {train:,} training samples for {w.num_classes} classes (under {MIN_PER_CLASS} per "
                        "class): even a correct backend is likely to end at chance_accuracy; raise --limit")
     return list(dict.fromkeys(out))  # a batch-size sweep repeats a workload: say each thing once

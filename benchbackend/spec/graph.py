@@ -12,7 +12,7 @@ nothing reads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .layers import (
@@ -24,9 +24,11 @@ from .layers import (
     Conv2D,
     Dense,
     Dropout,
+    Embedding,
     Flatten,
     GlobalAvgPool,
     MaxPool2D,
+    Multiply,
     activation_of,
 )
 from .transformer import node_fields
@@ -49,6 +51,8 @@ class Node:
     flags per array. ``pads``: conv2d/maxpool2d padding as ((top, bottom), (left, right)).
     ``flat_from``: for a rank-1 output that is a flattened image (through shape-keeping dropout
     and activation layers), that image's (H, W, C): NCHW frameworks permute the next dense kernel.
+    ``tied``: for a dense layer with ``tied_to``, the index of the embedding whose table it reads
+    as its kernel (transposed); its own ``weights`` are then only its bias, if any.
     """
 
     index: int
@@ -62,6 +66,7 @@ class Node:
     flops: int = 0  # forward FLOPs per sample, a multiply-add counted as 2
     pads: Optional[Pads] = None
     flat_from: Optional[tuple[int, int, int]] = None
+    tied: Optional[int] = None
 
     @property
     def kind(self) -> str:
@@ -123,9 +128,15 @@ class Graph:
 
 
 def resolve(workload: "Workload") -> Graph:
-    """The workload's graph; its output must be one score per class."""
+    """The workload's graph; its output must be one score per class, or for a language model
+    (``workload.next_token``) one row of scores over the vocabulary per input token."""
     g = resolve_layers(workload.model, workload.input_shape)
-    if g.output.out_shape != (workload.num_classes,):
+    if workload.next_token:
+        want = (workload.input_shape[0], workload.num_classes)
+        if g.output.out_shape != want:
+            raise ValueError(f"the model's output shape is {_shape(g.output.out_shape)}; it must be "
+                             f"{_shape(want)}, one row of next-token scores over the vocabulary per token")
+    elif g.output.out_shape != (workload.num_classes,):
         raise ValueError(f"the model's output shape is {_shape(g.output.out_shape)}; it must be "
                          f"({workload.num_classes},), one score per class")
     return g
@@ -140,6 +151,8 @@ def resolve_layers(layers: Sequence[Any], input_shape: Sequence[int]) -> Graph:
         inputs = _inputs(i, layer, names)
         shapes = tuple(tuple(input_shape) if j == INPUT else nodes[j].out_shape for j in inputs)
         node = _node(i, layer, inputs, shapes, [None if j == INPUT else nodes[j] for j in inputs])
+        if isinstance(layer, Dense) and layer.tied_to is not None:
+            node = _tie(node, names, nodes)
         nodes.append(node)
         offsets.append(offset)
         offset += len(node.weights)
@@ -174,7 +187,7 @@ def _names(layers: Sequence[Any]) -> dict[str, int]:
 
 def _inputs(i: int, layer: Any, names: dict[str, int]) -> tuple[int, ...]:
     if layer.inputs is None:
-        if isinstance(layer, Add):
+        if isinstance(layer, (Add, Multiply)):
             raise ValueError(f"{_label(i, layer)}: needs `inputs`, two or more layer names")
         return (i - 1 if i > 0 else INPUT,)
     out = []
@@ -190,9 +203,9 @@ def _inputs(i: int, layer: Any, names: dict[str, int]) -> tuple[int, ...]:
                              "(inputs must come earlier: a graph without cycles)")
         else:
             out.append(names[name])
-    if isinstance(layer, Add) and len(out) < 2:
+    if isinstance(layer, (Add, Multiply)) and len(out) < 2:
         raise ValueError(f"{_label(i, layer)}: needs two or more inputs; got {len(out)}")
-    if not isinstance(layer, Add) and len(out) != 1:
+    if not isinstance(layer, (Add, Multiply)) and len(out) != 1:
         raise ValueError(f"{_label(i, layer)}: takes one input; got {len(out)}")
     return tuple(out)
 
@@ -260,13 +273,14 @@ def _node(i: int, layer: Any, inputs: tuple[int, ...], shapes: tuple[Shape, ...]
         if len(shape) not in (1, 2):
             raise ValueError(f"{label} needs a flat input (add a flatten layer) or a token sequence (T, d), "
                              f"got shape {_shape(shape)}")
-        return Node(**base, out_shape=shape[:-1] + (layer.units,), weights=((shape[-1], layer.units), (layer.units,)),
-                    trainable=(True, True), kernel=(True, False), flops=2 * math.prod(shape) * layer.units)
+        weights = ((shape[-1], layer.units),) + (((layer.units,),) if layer.use_bias else ())
+        return Node(**base, out_shape=shape[:-1] + (layer.units,), weights=weights, trainable=(True,) * len(weights),
+                    kernel=(True, False)[:len(weights)], flops=2 * math.prod(shape) * layer.units)
     if isinstance(layer, BatchNorm):
         c = shape[-1]
         return Node(**base, out_shape=shape, weights=((c,),) * 4, trainable=(True, True, False, False),
                     kernel=(False,) * 4, flops=2 * math.prod(shape), flat_from=_flat(producers[0]))
-    if isinstance(layer, Add):
+    if isinstance(layer, (Add, Multiply)):
         for j, s in zip(inputs[1:], shapes[1:]):
             if s != shape:
                 raise ValueError(f"{label}: inputs {_ref(inputs[0], producers[0])} {_shape(shape)} and "
@@ -283,6 +297,23 @@ def _node(i: int, layer: Any, inputs: tuple[int, ...], shapes: tuple[Shape, ...]
     if isinstance(layer, (Dropout, ActivationLayer)):
         return Node(**base, out_shape=shape, flat_from=_flat(producers[0]))
     raise TypeError(f"{label}: unknown layer {layer!r}")
+
+
+def _tie(node: Node, names: dict[str, int], nodes: list[Node]) -> Node:
+    """A dense layer whose kernel is an earlier embedding's table, transposed: its weights are its
+    bias alone (if any); the table stays the embedding's one array."""
+    layer, label = node.layer, node.label()
+    j = names.get(layer.tied_to)
+    if j is None or j >= node.index:
+        raise ValueError(f"{label}: `tied_to` '{layer.tied_to}' must name an earlier embedding layer")
+    emb = nodes[j].layer
+    if not isinstance(emb, Embedding):
+        raise ValueError(f"{label}: `tied_to` '{layer.tied_to}' is a {emb.type} layer; it must be an embedding")
+    if (node.in_shape[-1], layer.units) != (emb.width, emb.vocab):
+        raise ValueError(f"{label}: tied to '{layer.tied_to}' ({emb.vocab} x {emb.width}), it needs inputs of width "
+                         f"{emb.width} and {emb.vocab} units; got width {node.in_shape[-1]} and {layer.units} units")
+    bias = ((layer.units,),) if layer.use_bias else ()
+    return replace(node, weights=bias, trainable=(True,) * len(bias), kernel=(False,) * len(bias), tied=j)
 
 
 def _flat(producer: Optional[Node]) -> Optional[tuple[int, int, int]]:

@@ -47,7 +47,7 @@ import numpy as np
 
 from . import graph as graph_mod
 from .graph import Graph, Node, resolve, same_pads
-from .layers import TOKEN_LAYERS, BatchNorm, Conv2D, Dense, activation_of
+from .layers import TOKEN_LAYERS, Attention, BatchNorm, Conv2D, Dense, activation_of
 from .transformer import POSITION_STDDEV, initial_kind
 from .workload import Workload
 
@@ -75,11 +75,23 @@ def param_count(workload: Workload) -> int:
 
 def vocabulary(workload: Workload) -> set[str]:
     """What the network asks of an adapter, in the words of the registry's ``BackendSpec.builds``:
-    its layer types, ``gelu`` when an activation is GELU, and ``tokens`` when a layer reads a
-    token sequence (T, d)."""
+    its layer types, ``gelu`` or ``silu`` when an activation is one, ``tokens`` when a layer reads
+    a token sequence (T, d), and the decoder's conventions, each a word of its own so that an
+    adapter that builds ``attention`` but not its causal mask cannot run a causal network as an
+    open one: ``causal``, ``rope``, ``kv_heads`` (grouped-query), ``no_bias`` (projections or a
+    dense layer without biases), ``tied`` (a dense layer tied to an embedding) and
+    ``next_token`` (the language model's task: labels and scores per position)."""
     nodes = describe(workload)
-    words = {n.kind for n in nodes} | {"gelu" for n in nodes if n.activation == "gelu"}
-    return words | {"tokens" for n in nodes if any(len(s) == 2 for s in n.in_shapes)}
+    words = {n.kind for n in nodes} | {n.activation for n in nodes if n.activation in ("gelu", "silu")}
+    words |= {"tokens" for n in nodes if any(len(s) == 2 for s in n.in_shapes)}
+    for n in nodes:
+        layer = n.layer
+        if isinstance(layer, Attention):
+            words |= {w for w, on in (("causal", layer.causal), ("rope", layer.rope is not None),
+                                      ("kv_heads", layer.groups != layer.heads), ("no_bias", not layer.use_bias)) if on}
+        if isinstance(layer, Dense):
+            words |= {w for w, on in (("tied", layer.tied_to is not None), ("no_bias", not layer.use_bias)) if on}
+    return words | ({"next_token"} if workload.next_token else set())
 
 
 def trainable_count(workload: Workload) -> int:
@@ -169,7 +181,7 @@ def _convert(workload: Workload, weights: Sequence[np.ndarray], to_nchw: bool) -
             a = np.asarray(a)
             if isinstance(node.layer, Conv2D) and j == 0:
                 a = np.transpose(a, (3, 2, 0, 1) if to_nchw else (2, 3, 1, 0))  # HWIO <-> OIHW
-            elif isinstance(node.layer, Dense) and j == 0:
+            elif isinstance(node.layer, Dense) and j == 0 and node.tied is None:
                 if to_nchw:
                     a = (a if rows is None else a[rows]).T
                 else:

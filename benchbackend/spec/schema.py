@@ -16,7 +16,7 @@ import annotated_types as at
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from .layers import LAYER_CLASSES
+from .layers import LAYER_CLASSES, Rope
 from .workload import (
     ChecksSpec,
     DataSpec,
@@ -46,7 +46,8 @@ NOTES = {
     "(top level).inference": "see `inference`",
     "(top level).checks": "see `checks`",
     "data.dataset": "`mnist`, `cifar10`: the canonical files (or stand-ins with `--data synthetic`); "
-                    "`synthetic`: generated; `npz`: your arrays in `path`",
+                    "`synthetic`: generated; `npz`: your arrays in `path`; `tokens`: token sequences of a "
+                    "Markov source (language models)",
     "training.optimizer": "Keras' update rules on every backend",
     "training.lr": "learning rate",
     "training.momentum": "SGD momentum; RMSprop's too",
@@ -81,6 +82,7 @@ NOTES = {
     "batchnorm.epsilon": "added to the variance",
     "batchnorm.activation": "applied to the output",
     "add.activation": "applied to the sum (the inputs: two or more layers of one shape, in `inputs`)",
+    "dense.use_bias": "add a bias per unit",
 }
 
 _SCALARS = {int: "integer", float: "number", bool: "boolean", str: "string"}
@@ -222,11 +224,14 @@ def markdown() -> str:
     out += ["", "#### Layers (`model[]`)", "",
             "Each layer is a mapping with a `type`, and may carry `name` (a name other layers' `inputs` can "
             "read) and `inputs` (the layers, or `input` for the network input, it reads; default: the "
-            "previous layer)."]
+            "previous layer). A `{type: repeat, times: N, name: block, layers: [...]}` entry is its `layers` "
+            "written N times, names inside indexed (`block0.attn`, `block1.attn`, ...), `input` inside "
+            "naming the repetition's own input."]
     for kind, cls in LAYER_CLASSES.items():
         out += ["", f"`type: {kind}`", ""]
         rows = _rows(kind, cls, skip=("type", "name", "inputs"))
         out += rows if len(rows) > 2 else ["No fields of its own."]
+    out += ["", "#### `attention.rope`", "", _doc(Rope), ""] + _rows("rope", Rope)
     return "\n".join(out) + "\n"
 
 

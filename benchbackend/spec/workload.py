@@ -3,6 +3,11 @@
 A workload is named by its file in ``workloads/`` (``mnist`` -> ``workloads/mnist.yaml``) or
 given as a path. Unknown keys and unknown layer types are rejected; every error names the
 file, the YAML path, the allowed values and the value given.
+
+Over 400 lines: one validation model per YAML section (data, training, inference, checks and their
+tolerances), each with its defaults' reasons and the one-line messages its mistakes get; they are
+read together (a model's field names its section's), and ``repeat.py`` and ``layers.py`` hold what
+stands on its own.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from .layers import (
     Strict,
     activation_of,
 )
+from .repeat import expand_repeats
 
 __all__ = ["ActivationLayer", "Add", "BatchNorm", "Conv2D", "DataSpec", "Dense", "Dropout", "Flatten",
            "GlobalAvgPool", "LAYER_TYPES", "Layer", "MaxPool2D", "TrainingSpec", "WeightDecay", "Workload",
@@ -47,14 +53,22 @@ DATASETS: dict[str, dict[str, Any]] = {
 _Strict = Strict
 
 
+#: The datasets of token sequences (a language model's: ``Workload.next_token``).
+TOKEN_DATASETS = ("tokens",)
+
+
 class DataSpec(_Strict):
     """Where the samples come from and how many. ``mnist``/``cifar10``: the canonical files (or
     generated stand-ins with ``--data synthetic``); ``synthetic``: generated, learnable data of
     ``input_shape`` and ``num_classes``; ``npz``: the user's arrays in ``path`` (``x_train``,
-    ``y_train``, ``x_test``, ``y_test``; optional ``x_val``, ``y_val``)."""
+    ``y_train``, ``x_test``, ``y_test``; optional ``x_val``, ``y_val``); ``tokens``: sequences of
+    ``context`` token ids from a seeded Markov source over ``vocab`` ids (``data/tokens.py``), whose
+    entropy is known exactly; a sample is ``context`` tokens, its labels the same sequence shifted
+    by one (the next token at every position), and train/validation/test count sequences."""
 
-    LATER: ClassVar[tuple[str, ...]] = ("input_shape", "num_classes", "path")
-    dataset: Literal["mnist", "cifar10", "synthetic", "npz"]
+    LATER: ClassVar[tuple[str, ...]] = ("input_shape", "num_classes", "path", "vocab", "context", "order",
+                                        "branching")
+    dataset: Literal["mnist", "cifar10", "synthetic", "npz", "tokens"]
     train: int = Field(gt=0, description="training samples taken from the training pool")
     validation: int = Field(ge=0, description="held out from the training pool, after the train part")
     test: int = Field(gt=0, description="test samples, used for inference timing")
@@ -63,9 +77,29 @@ class DataSpec(_Strict):
     num_classes: Optional[int] = Field(default=None, ge=2, description="synthetic and npz: how many classes")
     path: Optional[str] = Field(default=None, min_length=1,
                                 description="npz: the file (relative: to the YAML's folder)")
+    vocab: Optional[int] = Field(default=None, ge=2, le=1 << 24,
+                                 description="tokens: how many token ids (batches hold them as float32: below 2**24)")
+    context: Optional[int] = Field(default=None, gt=0, description="tokens: tokens per sequence (the context length)")
+    order: Literal[1, 2] = Field(default=1, description="tokens: the Markov source's order (1: the next token "
+                                 "depends on the last one; 2: on the last two)")
+    branching: int = Field(default=4, ge=2, description="tokens: how many tokens can follow a context")
 
     @model_validator(mode="after")
     def _consistent(self) -> "DataSpec":
+        token_fields = [f for f in ("vocab", "context") if getattr(self, f) is not None]
+        if self.dataset in TOKEN_DATASETS:
+            missing = [f for f in ("vocab", "context") if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"dataset {self.dataset} needs `{missing[0]}`")
+            given = [f for f in ("input_shape", "num_classes", "path") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"`{given[0]}` is not for dataset {self.dataset} (its samples are `context` "
+                                 "token ids over `vocab`)")
+            if self.branching > self.vocab:  # type: ignore[operator]
+                raise ValueError(f"`branching` ({self.branching}) cannot exceed `vocab` ({self.vocab})")
+            return self
+        if token_fields:
+            raise ValueError(f"`{token_fields[0]}` is for dataset tokens")
         if self.dataset in DATASETS:
             given = [f for f in ("input_shape", "num_classes", "path") if getattr(self, f) is not None]
             if given:
@@ -89,11 +123,14 @@ class DataSpec(_Strict):
         return self
 
     def sample_shape(self) -> tuple[int, ...]:
-        """One sample's shape: the dataset's own, or ``input_shape``."""
+        """One sample's shape: the dataset's own, ``input_shape``, or ``(context,)`` token ids."""
+        if self.context is not None:
+            return (self.context,)
         return tuple(self.input_shape or DATASETS[self.dataset]["input_shape"])
 
     def classes(self) -> int:
-        return int(self.num_classes or DATASETS[self.dataset]["num_classes"])
+        """Classes, or for token data the vocabulary (a next-token prediction is one of ``vocab``)."""
+        return int(self.vocab or self.num_classes or DATASETS[self.dataset]["num_classes"])
 
 
 class WeightDecay(_Strict):
@@ -223,6 +260,13 @@ class Workload(_Strict):
     inference: InferenceSpec = InferenceSpec()
     checks: ChecksSpec = ChecksSpec()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _repeats(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and isinstance(raw.get("model"), list):
+            return dict(raw, model=expand_repeats(raw["model"]))
+        return raw
+
     @model_validator(mode="after")
     def _ends_in_softmax(self) -> "Workload":
         if activation_of(self.model[-1]) != "softmax":
@@ -237,6 +281,12 @@ class Workload(_Strict):
     @property
     def num_classes(self) -> int:
         return self.data.classes()
+
+    @property
+    def next_token(self) -> bool:
+        """A language model's task: every position predicts the next token (labels (T,) per sample,
+        the output (T, vocab)); otherwise one class per sample."""
+        return self.data.dataset in TOKEN_DATASETS
 
     def hash(self) -> str:
         """Short content hash of everything that changes what is measured (not the description)."""

@@ -22,6 +22,7 @@ gradient is the sum over every layer that reads its output.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from types import ModuleType
 from typing import Any, Mapping, Optional, Sequence
@@ -30,7 +31,7 @@ import numpy as np
 
 from ...errors import BackendUnavailable
 from ...spec.graph import INPUT, Graph, Node, resolve
-from ...spec.layers import activation_name
+from ...spec.layers import Multiply, activation_name
 from ...spec.model import kernel_mask, trainable_mask
 from ...spec.workload import (
     ActivationLayer,
@@ -92,15 +93,14 @@ class Network:
 
     def loss_and_grads(self, x: Array, y: Array, rng: Any = None) -> tuple[Array, list[Array], Array]:
         """(mean loss, gradients of ``params()``, scores) of one training step's forward and backward.
-
-        ``y`` is one-hot; ``rng`` drives dropout, and ``None`` turns dropout off. Batchnorm uses
-        the batch statistics and updates its moving ones. The loss includes the L2 penalty.
-        ``scores`` are the logits (pre-softmax), e.g. for the training accuracy.
+        ``y`` is one-hot (per position, for token sequences); ``rng`` drives dropout, and ``None``
+        turns it off. Batchnorm uses the batch statistics and updates its moving ones. The loss
+        includes the L2 penalty. ``scores`` are the logits (pre-softmax), for the training accuracy.
         """
         scores, tape = self._run(x, rng=rng, training=True, update=True, keep=True)
         loss, _, probs = ops.softmax_cross_entropy(scores, y)
-        # Fused softmax + cross-entropy gradient of the batch mean: d loss / d logits = (p - y) / N.
-        grads = self._backward((probs - y) / len(x), tape)
+        # Fused softmax + cross-entropy gradient of the mean over every prediction (per sample or per token).
+        grads = self._backward((probs - y) / (y.size // y.shape[-1]), tape)
         if self.l2:
             loss = loss + ops.l2_penalty(self.kernel_arrays(), self.l2)
             grads = [g + 2 * self.l2 * w if k else g for g, w, k in zip(grads, self.weights, self.kernels)]
@@ -117,7 +117,10 @@ class Network:
         tape: list[tuple] = []
         for node in g.nodes:
             ins = [x if j == INPUT else values[j] for j in node.inputs]
-            out, cache = self._layer(node, ins, g.weights_of(node, self.weights), rng, training, update)
+            w = g.weights_of(node, self.weights)
+            if node.tied is not None:  # the embedding's table, transposed, is this dense layer's kernel
+                w = [g.weights_of(g.nodes[node.tied], self.weights)[0].T] + w
+            out, cache = self._layer(node, ins, w, rng, training, update)
             fn = activation_name(node.layer, node.activation)
             if node is g.output and fn == "softmax":
                 fn = "none"  # the loss (or ``forward``) applies it
@@ -134,7 +137,7 @@ class Network:
         if isinstance(layer, Conv2D):
             return ops.conv2d(x, w[0], w[1] if layer.use_bias else None, layer.stride, node.pads)
         if isinstance(layer, Dense):
-            return ops.dense(x, w[0], w[1])
+            return ops.dense(x, w[0], w[1] if layer.use_bias else 0)
         if isinstance(layer, MaxPool2D):
             return ops.maxpool2d(x, layer.pool_size, layer.stride or layer.pool_size, node.pads)
         if isinstance(layer, BatchNorm):
@@ -147,6 +150,8 @@ class Network:
             return out, cache
         if isinstance(layer, Add):
             return sum(ins[1:], ins[0]), None
+        if isinstance(layer, Multiply):
+            return math.prod(ins[1:], start=ins[0]), ins
         if isinstance(layer, GlobalAvgPool):
             return ops.global_avgpool(x), x.shape
         if isinstance(layer, Dropout):
@@ -170,9 +175,12 @@ class Network:
             g, pending[node.index] = pending[node.index], None
             g = tr.activate_backward(g, fn, pre, post)
             ins, ws = self._layer_backward(node, g, cache)
+            if node.tied is not None:  # the kernel's gradient goes to the embedding's table, transposed
+                table, kernel, ws = graph.offsets[node.tied], ws[0].T, ws[1:]
+                grads[table] = kernel if grads[table] is None else grads[table] + kernel
             start = graph.offsets[node.index]
-            for j, dw in enumerate(ws):
-                grads[start + j] = dw
+            for j, dw in enumerate(ws):  # a tied table has its dense layer's share already
+                grads[start + j] = dw if grads[start + j] is None or dw is None else grads[start + j] + dw
             for j, dx in zip(node.inputs, ins):
                 if j != INPUT and dx is not None:
                     pending[j] = dx if pending[j] is None else pending[j] + dx
@@ -187,7 +195,7 @@ class Network:
             return [dx], [dw] + ([db] if layer.use_bias else [])
         if isinstance(layer, Dense):
             dx, dw, db = ops.dense_backward(g, cache)
-            return [dx], [dw, db]
+            return [dx], [dw, db] if layer.use_bias else [dw]
         if isinstance(layer, MaxPool2D):
             return [ops.maxpool2d_backward(g, cache)], []
         if isinstance(layer, BatchNorm):
@@ -195,6 +203,8 @@ class Network:
             return [dx], [dgamma, dbeta, None, None]
         if isinstance(layer, Add):
             return [g] * len(node.inputs), []
+        if isinstance(layer, Multiply):  # each input's gradient: g times the others
+            return [g * math.prod(cache[:i] + cache[i + 1:]) for i in range(len(cache))], []
         if isinstance(layer, GlobalAvgPool):
             return [ops.global_avgpool_backward(g, cache)], []
         if isinstance(layer, Dropout):
@@ -370,9 +380,9 @@ class NumpyBackend(CupyMemory, Backend):
             y = ops.one_hot(labels, self.workload.num_classes, self.dtype)
             loss, scores = train_step(net, self.optimizer, x, y, self.workload.training, self.rng)
             loss_sum += loss * len(idx)
-            correct += (scores.argmax(axis=1) == labels).sum()
+            correct += (scores.argmax(axis=-1) == labels).sum()  # every position's, for a language model
         n = len(order)
-        return loss_sum / n, correct / n
+        return loss_sum / n, correct / (n * (y_all[0].size if len(y_all) else 1))
 
     def scores(self, x: Array, batch_size: int) -> Array:
         net, xp = self._net(), self.xp
