@@ -80,6 +80,9 @@ def main() -> None:
 @click.option("--data", "data_source", type=click.Choice(["auto", "real", "synthetic"]), default="auto",
               show_default=True, help="real: the canonical files (downloaded if missing); synthetic: "
                                       "generated, learnable, offline; auto: real if present.")
+@click.option("--text", "text", type=click.Path(exists=True, path_type=Path), metavar="PATH",
+              help="Language models: train on this UTF-8 file or folder instead of the workload's token data "
+                   "(bytes at vocab 256, a byte-level BPE otherwise; split by position).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), envvar="BENCHBACKEND_DATA",
               help="Where data files live [env: BENCHBACKEND_DATA; default: ~/.cache/benchbackend/data].")
 @click.option("--batch-size", "batch_sizes", multiple=True, type=click.IntRange(1), metavar="N",
@@ -130,7 +133,7 @@ def main() -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress display (the summary and verdict still print).")
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
         replica_counts: tuple[int, ...], scale_lr: str, scaling: str, device: str, repeats: int, epochs: Optional[int],
-        limit: Optional[int], seed: Optional[int], data_source: str,
+        limit: Optional[int], seed: Optional[int], data_source: str, text: Optional[Path],
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float],
         thread_counts: tuple[int, ...],
         inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
@@ -149,6 +152,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run cifar10 -b torch --replicas 1 --replicas 2 --parity-steps 10 --data synthetic
       benchbackend run mnist -b torch -b numpy --executor ray --address head:6379 --retries 1
       benchbackend run path/to/my_workload.yaml -b tensorflow
+      benchbackend run gpt-nano -b numpy --text my_book.txt --limit 512
       benchbackend run mnist -b torch -b tensorflow --repeats 5 --resume results/interrupted.csv
     """
     from . import epilogue, results
@@ -161,7 +165,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         raise UsageFailure(f"--replicas {max(replica_counts)} trains data-parallel replicas and --inference-only "
                            "trains nothing (inference runs on one device): leave out one of them")
     try:
-        loaded = planning.load_workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed)
+        loaded = planning.load_workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed,
+                                         text=None if text is None else str(text))
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
         choices = planning.with_threads(planning.with_replicas(

@@ -6,8 +6,10 @@ trap of the issue shown to change the numbers (RoPE pairing and base, the causal
 key/value heads, RMSNorm's scale form, tied output, SwiGLU's gate and up)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,7 +27,7 @@ from benchbackend.spec import model, workload
 from benchbackend.spec.layers import Attention, Rope
 from benchbackend.spec.repeat import expand_repeats
 from benchbackend.spec.workload import Layer
-from conftest import cli, numeric_grad
+from conftest import ROOT, cli, invoke, numeric_grad, one_line_error
 
 T, V, D = 5, 7, 8  # tokens, vocabulary, width of the tiny networks
 
@@ -380,3 +382,71 @@ def checks_bounds(tmp_path: Any) -> tuple[float, float]:
     from benchbackend.run import checks
 
     return checks.token_bounds(workload.load(str(tmp_path / "tiny-lm.yaml")))
+
+
+# --- the user's own text ----------------------------------------------------------------------------
+#: Real text every machine has: the sources of Python's standard library (json: 48 KB; asyncio: 700 KB).
+STDLIB = Path(json.__file__).parent.parent
+
+
+def byte_lm(tmp_path: Any, vocab: int = 256) -> str:
+    """gpt-nano's shape at a tenth of its width and context: learns bytes in seconds on the reference."""
+    raw = yaml.safe_load((ROOT / "workloads" / "gpt-nano.yaml").read_text())
+    raw["name"] = "byte-lm"
+    raw["data"].update(vocab=vocab, context=32, train=1024, validation=64, test=32)
+    raw["model"][0].update(vocab=vocab, width=32)
+    block = raw["model"][1]
+    block["times"] = 1
+    block["layers"][1].update(heads=2, head_dim=16, kv_heads=1)
+    for layer in block["layers"]:
+        if layer.get("name") in ("gate", "up"):
+            layer["units"] = 64
+        if layer.get("name") == "down":
+            layer["units"] = 32
+    raw["model"][-1]["units"] = vocab
+    raw["training"].update(lr=0.01, epochs=3)  # 96 steps: 2.55 nats on asyncio's sources, unigram 3.11
+    raw["inference"] = {"batch_size": 32, "repeats": 2}
+    path = tmp_path / "byte-lm.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_text_is_cut_in_windows_by_position_train_first_validation_and_test_last(tmp_path: Any) -> None:
+    from benchbackend.data import datasets, tokens
+
+    w = workload.load(byte_lm(tmp_path)).with_overrides(text=str(STDLIB / "json"), limit=512)
+    assert w.data.dataset == "text" and w.num_classes == 256 and w.next_token
+    ds = datasets.load(w)
+    ids = tokens.byte_tokens(tokens.read_text(STDLIB / "json"))
+    n = (len(ids) - 1) // 32
+    np.testing.assert_array_equal(ds.x_train[1], ids[32:64])  # window 1, from the start
+    np.testing.assert_array_equal(ds.y_train[1], ids[33:65])
+    np.testing.assert_array_equal(ds.x_test[-1], ids[(n - 1) * 32:n * 32])  # the last whole window
+    np.testing.assert_array_equal(ds.x_val[0], ids[(n - 96) * 32:(n - 95) * 32])
+    assert (len(ds.x_train), len(ds.x_val), len(ds.x_test)) == (512, 64, 32) and ds.source == "text"
+    bpe = datasets.load(workload.load(byte_lm(tmp_path, vocab=320)).with_overrides(text=str(STDLIB / "json"),
+                                                                                   limit=512))
+    assert 255 < bpe.x_train.max() < 320  # merges in use, every id inside the vocabulary
+
+
+def test_a_run_on_real_text_learns_and_bad_text_options_are_one_line(tmp_path: Any) -> None:
+    from benchbackend import results
+    from benchbackend.run import checks
+
+    csv = tmp_path / "text.csv"
+    got = cli("run", byte_lm(tmp_path), "-b", "numpy", "--text", str(STDLIB / "asyncio"), "--repeats", "1",
+              "--no-plots", "-o", str(csv))
+    df = results.read(csv)
+    run = df[df["phase"] == "run"].iloc[0]
+    assert got.returncode == 0 and run["status"] == "ok", (run["message"], got.stderr[-2000:])
+    w = workload.load(byte_lm(tmp_path)).with_overrides(text=str(STDLIB / "asyncio"))
+    floor, unigram = checks.token_bounds(w)
+    assert floor is None and df[df["phase"] == "train_epoch"]["val_loss"].iloc[-1] < unigram - 0.3
+    assert one_line_error(invoke("run", "mnist", "-b", "numpy", "--text", str(STDLIB / "json"))).endswith(
+        "--text is for language models (dataset tokens or text); this workload's data is mnist")
+    short = tmp_path / "short.txt"
+    short.write_text("too short for one window\n")
+    got = cli("run", byte_lm(tmp_path), "-b", "numpy", "--text", str(short), "--no-plots",
+              "-o", str(tmp_path / "s.csv"))
+    assert got.returncode == 2 and got.stderr.strip().splitlines()[-1].startswith(f"Error: {short}: 25 tokens make 0 "
+                                                                                   "windows of 32")

@@ -52,7 +52,7 @@ def test_types_defaults_and_allowed_values_are_the_models() -> None:
     assert _row(text, "(top level)", "description")[2] == '`""`'
     optimizer = _row(text, "training", "optimizer")
     assert optimizer[2] == "required" and optimizer[3] == "`sgd`, `adam`, `rmsprop`"
-    assert _row(text, "data", "dataset")[3] == "`mnist`, `cifar10`, `synthetic`, `npz`, `tokens`"
+    assert _row(text, "data", "dataset")[3] == "`mnist`, `cifar10`, `synthetic`, `npz`, `tokens`, `text`"
     conv = text.split("`type: conv2d`", 1)[1]
     assert _row(conv, "", "stride")[1:3] == ["integer", "`1`"]  # `stride`, not `strides`
     assert "`relu`" in _row(conv, "", "activation")[3] and "`softmax`" in _row(conv, "", "activation")[3]

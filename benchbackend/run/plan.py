@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from ..backends import registry as backends
 from ..backends.base import Options
@@ -133,7 +133,7 @@ def _split(item: str) -> tuple[Optional[str], str]:
     return (backend, rest) if sep and backend in backends.BACKENDS else (None, item)
 
 
-def load_workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], **overrides: Optional[int]) -> list[Workload]:
+def load_workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], **overrides: Any) -> list[Workload]:
     """The workloads named, with the command line's overrides, one per batch size of a sweep;
     a network that does not fit its input is a ``WorkloadError`` naming the layer."""
     from ..spec.model import describe

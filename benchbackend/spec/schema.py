@@ -47,7 +47,7 @@ NOTES = {
     "(top level).checks": "see `checks`",
     "data.dataset": "`mnist`, `cifar10`: the canonical files (or stand-ins with `--data synthetic`); "
                     "`synthetic`: generated; `npz`: your arrays in `path`; `tokens`: token sequences of a "
-                    "Markov source (language models)",
+                    "Markov source; `text`: your UTF-8 text in `path` (language models)",
     "training.optimizer": "Keras' update rules on every backend",
     "training.lr": "learning rate",
     "training.momentum": "SGD momentum; RMSprop's too",

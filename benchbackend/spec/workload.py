@@ -54,7 +54,7 @@ _Strict = Strict
 
 
 #: The datasets of token sequences (a language model's: ``Workload.next_token``).
-TOKEN_DATASETS = ("tokens",)
+TOKEN_DATASETS = ("tokens", "text")
 
 
 class DataSpec(_Strict):
@@ -68,7 +68,7 @@ class DataSpec(_Strict):
 
     LATER: ClassVar[tuple[str, ...]] = ("input_shape", "num_classes", "path", "vocab", "context", "order",
                                         "branching")
-    dataset: Literal["mnist", "cifar10", "synthetic", "npz", "tokens"]
+    dataset: Literal["mnist", "cifar10", "synthetic", "npz", "tokens", "text"]
     train: int = Field(gt=0, description="training samples taken from the training pool")
     validation: int = Field(ge=0, description="held out from the training pool, after the train part")
     test: int = Field(gt=0, description="test samples, used for inference timing")
@@ -88,18 +88,23 @@ class DataSpec(_Strict):
     def _consistent(self) -> "DataSpec":
         token_fields = [f for f in ("vocab", "context") if getattr(self, f) is not None]
         if self.dataset in TOKEN_DATASETS:
-            missing = [f for f in ("vocab", "context") if getattr(self, f) is None]
+            text = self.dataset == "text"
+            missing = [f for f in (("path", "context") if text else ("vocab", "context")) if getattr(self, f) is None]
             if missing:
                 raise ValueError(f"dataset {self.dataset} needs `{missing[0]}`")
-            given = [f for f in ("input_shape", "num_classes", "path") if getattr(self, f) is not None]
+            given = [f for f in ("input_shape", "num_classes") + (() if text else ("path",))
+                     if getattr(self, f) is not None]
             if given:
                 raise ValueError(f"`{given[0]}` is not for dataset {self.dataset} (its samples are `context` "
                                  "token ids over `vocab`)")
-            if self.branching > self.vocab:  # type: ignore[operator]
+            if text and self.vocab is not None and self.vocab < 256:
+                raise ValueError(f"dataset text: `vocab` {self.vocab} is below the 256 bytes (256: bytes; more: a "
+                                 "byte-level BPE of that many ids)")
+            if not text and self.branching > self.vocab:  # type: ignore[operator]
                 raise ValueError(f"`branching` ({self.branching}) cannot exceed `vocab` ({self.vocab})")
             return self
         if token_fields:
-            raise ValueError(f"`{token_fields[0]}` is for dataset tokens")
+            raise ValueError(f"`{token_fields[0]}` is for dataset tokens or text")
         if self.dataset in DATASETS:
             given = [f for f in ("input_shape", "num_classes", "path") if getattr(self, f) is not None]
             if given:
@@ -119,7 +124,7 @@ class DataSpec(_Strict):
             raise ValueError(f"dataset {self.dataset} needs `{missing[0]}`")
         if (self.dataset == "npz") != (self.path is not None):
             raise ValueError("dataset npz needs `path` (an .npz file)" if self.dataset == "npz"
-                             else "`path` is for dataset npz")
+                             else "`path` is for dataset npz or text")
         return self
 
     def sample_shape(self) -> tuple[int, ...]:
@@ -130,6 +135,8 @@ class DataSpec(_Strict):
 
     def classes(self) -> int:
         """Classes, or for token data the vocabulary (a next-token prediction is one of ``vocab``)."""
+        if self.dataset == "text":
+            return int(self.vocab or 256)
         return int(self.vocab or self.num_classes or DATASETS[self.dataset]["num_classes"])
 
 
@@ -295,15 +302,26 @@ class Workload(_Strict):
         return hashlib.sha256(blob).hexdigest()[:12]
 
     def with_overrides(self, *, epochs: Optional[int] = None, limit: Optional[int] = None,
-                       seed: Optional[int] = None, batch_size: Optional[int] = None) -> "Workload":
+                       seed: Optional[int] = None, batch_size: Optional[int] = None,
+                       text: Optional[str] = None) -> "Workload":
         """A copy with command-line overrides applied.
 
         ``limit`` caps the training samples; validation and test shrink in proportion (never below
         256, or the full size if smaller, so the chance check has samples to judge), so a smoke run
         stays a smoke run.
         ``batch_size`` sets both the training and the inference batch size.
+        ``text``: a language model's data becomes that UTF-8 file or folder (``dataset: text``), at
+        the same context, vocabulary and counts; raises ``WorkloadError`` for any other workload.
         """
         upd: dict[str, Any] = {}
+        if text is not None:
+            if not self.next_token:
+                raise WorkloadError(f"{self.name}: --text is for language models (dataset tokens or text); this "
+                                    f"workload's data is {self.data.dataset}")
+            data = dict(self.data.model_dump(exclude={"order", "branching"}), dataset="text",
+                        path=str(Path(text).expanduser().resolve()))
+            upd["data"] = DataSpec.model_validate(data)
+            self = self.model_copy(update=upd)
         training: dict[str, Any] = {}
         if epochs is not None:
             training["epochs"] = epochs
