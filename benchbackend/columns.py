@@ -113,6 +113,8 @@ DECLARED: tuple[Column, ...] = (
     _c("cpu_mhz", N, "the cores' mean clock as the cell started", "MHz", 9),
     _c("gpu_other_procs", N, "other processes on the cell's GPU as it started (NVML)", version=9),
     _c("gpu_clock_mhz", N, "the GPU's SM clock as the cell started (NVML)", "MHz", 9),
+    _c("tokens_per_s", N, "a language model's `samples_per_s` x its context (the tokens of a sequence); empty for "
+                          "other networks", "tokens/s", 10),
 )
 
 BEGIN = "<!-- BEGIN column reference (generated: benchbackend schema --update README.md) -->"

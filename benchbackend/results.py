@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 from .columns import DECLARED
 from .errors import ResultsError
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 #: A training sample costs this many forward passes of FLOPs: the forward, the gradient of the
 #: activations and the gradient of the weights. ``achieved_flops`` and ``mfu`` count training so.
 TRAIN_FLOPS_FACTOR = 3
@@ -269,8 +269,9 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Rows of older schemas, as schema 9 says them (see ``columns.DECLARED``):
+    """Rows of older schemas, as schema 10 says them (see ``columns.DECLARED``):
 
+    - before 10, no row had ``tokens_per_s`` (no language models): empty;
     - before 9, the machine was not watched: its columns are empty (not measured, never "quiet");
 
     - before 8, every replica cell scaled strongly: ``scaling`` strong (``comm_s`` empty: not recorded);

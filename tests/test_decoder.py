@@ -374,6 +374,8 @@ def test_a_model_that_sees_the_next_token_ends_future_leak_in_a_real_run(tmp_pat
     ok, leak = (out[n][out[n]["phase"] == "run"].iloc[0] for n in ("tiny-lm", "tiny-leak"))
     assert ok["status"] == "ok", ok["message"]
     assert leak["status"] == "future_leak" and "below the data's entropy floor" in leak["message"]
+    timed = out["tiny-lm"][out["tiny-lm"]["phase"].isin(["train_epoch", "inference"])]
+    assert len(timed) == 5 and np.allclose(timed["tokens_per_s"], timed["samples_per_s"] * 16)  # context 16
     last = {n: df[df["phase"] == "train_epoch"]["val_loss"].iloc[-1] for n, df in out.items()}
     assert floor < last["tiny-lm"] < unigram - 0.5 and last["tiny-leak"] < 0.9 * floor
 

@@ -8,6 +8,7 @@ methods on each; nothing here knows about rows, CSVs or frameworks.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -160,6 +161,10 @@ def display(quiet: bool = False, stream: Optional[TextIO] = None) -> Display:
 def row_line(row: dict[str, Any], workload: Any, inference_seconds: list[float]) -> Optional[str]:
     """The log line of one measured row (None for rows that say nothing worth a line)."""
     phase = row.get("phase")
+    if phase == "train_epoch" and row.get("tokens_per_s"):  # a language model: its loss, perplexity, tokens/s
+        return (f"epoch {row['epoch']}/{workload.training.epochs}  loss {row['loss']:.4f}  val_loss "
+                f"{row['val_loss']:.4f}  ppl {math.exp(min(row['val_loss'], 700)):.2f}  {row['seconds']:.2f}s  "
+                f"{row['tokens_per_s']:,.0f} tokens/s")
     if phase == "train_epoch":
         return (f"epoch {row['epoch']}/{workload.training.epochs}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
                 f"val_acc {row['val_accuracy']:.3f}  {row['seconds']:.2f}s  "

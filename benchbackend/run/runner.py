@@ -286,6 +286,8 @@ class Runner:
                                      state.base.get("peak_flops")))
         if (row.get("mfu") or 0) > 1:
             row["notes"] = "; ".join(n for n in (row.get("notes"), self._peak_too_low(state, row["mfu"])) if n)
+        if cell.workload.next_token and row.get("samples_per_s"):  # a sequence is `context` tokens
+            row["tokens_per_s"] = row["samples_per_s"] * cell.workload.input_shape[0]
         full = {**state.base, **row, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         self.writer.write(full)
         state.rows.append(full)
