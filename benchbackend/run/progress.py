@@ -3,7 +3,8 @@ the time elapsed and the time left (estimated from the cells that finished).
 
 ``display(quiet, stream)`` picks one of three: on a terminal a live line that redraws in place
 under the log (``rich``), in CI or when piped plain lines (each finished cell says ``[k/N]`` with
-the elapsed and estimated time), and nothing at all with ``--quiet``. The runner calls the same
+the elapsed and estimated time), and with ``--quiet`` only what the run as a whole does
+(``Display.announce``). The runner calls the same
 methods on each; nothing here knows about rows, CSVs or frameworks.
 """
 from __future__ import annotations
@@ -46,7 +47,9 @@ def clock(seconds: float) -> str:
 class Display:
     """The quiet display, and the bookkeeping every display shares: counts and the estimate."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
+        #: Where :meth:`announce` prints with ``--quiet`` (None: nowhere).
+        self.stream = stream
         self.total = 0
         self.done = 0
         self.started_at = time.monotonic()
@@ -61,6 +64,12 @@ class Display:
 
     def note(self, text: str) -> None:
         """One line of the log (a cell's progress, a warning)."""
+
+    def announce(self, text: str) -> None:
+        """A line that prints even with ``--quiet``: what the run as a whole does (``resuming ...:
+        nothing left to run``)."""
+        if self.stream is not None:
+            print(text, file=self.stream, flush=True)
 
     def cell_started(self, cell: "Cell") -> None:
         self.current, self.cell_started_at, self.epoch_text = cell, time.monotonic(), ""
@@ -101,11 +110,13 @@ class PlainDisplay(Display):
     """Plain lines (CI, a pipe, a file): the log, and the counts at the end of each cell."""
 
     def __init__(self, stream: TextIO):
-        super().__init__()
-        self.stream = stream
+        super().__init__(stream)
 
     def note(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
+
+    def announce(self, text: str) -> None:
+        self.note(text)
 
     def cell_ended(self, cell: "Cell", status: str) -> None:
         super().cell_ended(cell, status)
@@ -138,6 +149,9 @@ class LiveDisplay(Display):
     def note(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False)
 
+    def announce(self, text: str) -> None:
+        self.note(text)
+
     def cell_ended(self, cell: "Cell", status: str) -> None:
         super().cell_ended(cell, status)
         self.note(f"{tag(cell)} {status}")
@@ -152,7 +166,7 @@ def display(quiet: bool = False, stream: Optional[TextIO] = None) -> Display:
     CI; plain lines otherwise."""
     stream = stream or sys.stderr
     if quiet:
-        return Display()
+        return Display(stream)
     interactive = stream.isatty() and not os.environ.get("CI") and os.environ.get("TERM") != "dumb"
     return LiveDisplay(stream) if interactive else PlainDisplay(stream)
 

@@ -73,6 +73,8 @@ class Previous:
     finished: dict[CellKey, str] = field(default_factory=dict)
     #: Workload name -> the definition hashes measured under it.
     definitions: dict[str, set[str]] = field(default_factory=dict)
+    #: The workloads the file holds rows of.
+    workloads: set[str] = field(default_factory=set)
 
 
 def read(path: Path) -> Previous:
@@ -86,7 +88,7 @@ def read(path: Path) -> Previous:
     if header != results.COLUMNS:
         raise ResultsError(f"{path}: written by another version of benchbackend (its columns differ from schema "
                            f"{results.SCHEMA_VERSION}'s), so a resumed run cannot append to it: run into a new file")
-    out = Previous(path)
+    out = Previous(path, workloads={str(name) for name in df["workload"] if name})
     for name, digest in df[["workload", "workload_hash"]].drop_duplicates().itertuples(index=False):
         if digest:
             out.definitions.setdefault(name, set()).add(digest)
@@ -96,11 +98,17 @@ def read(path: Path) -> Previous:
 
 
 def check_definitions(previous: Previous, workloads: Iterable[Workload]) -> None:
-    """A workload of the plan that the file measured under another definition is an error: the
-    resumed cells would not be comparable with the finished ones."""
+    """A file that holds runs of a workload the command does not plan is an error (it is another
+    run's file: the resumed rows would be appended to it, and its report redrawn with them), and so
+    is a workload of the plan that the file measured under another definition: the resumed cells
+    would not be comparable with the finished ones."""
     planned: dict[str, set[str]] = {}
     for w in workloads:
         planned.setdefault(w.name, set()).add(w.hash())
+    others = sorted(previous.workloads - set(planned))
+    if others:
+        raise ResultsError(f"{previous.path}: holds runs of {', '.join(others)}, not this command's workloads "
+                           f"({', '.join(planned)}): resume with the command that wrote it, or run into a new file")
     for name, hashes in planned.items():
         other = sorted(previous.definitions.get(name, set()) - hashes)
         if other:

@@ -226,7 +226,8 @@ class Runner:
         self.writer.adopt(resume.prune(self.writer.path, again))
         planned = len(cells(self.plan))
         rest = "nothing left to run" if len(self.resumed) == planned else "running the rest"
-        self.display.note(f"resuming {self.writer.path}: {len(self.resumed)} of {planned} cells had finished; {rest}")
+        self.display.announce(f"resuming {self.writer.path}: {len(self.resumed)} of {planned} cells had finished; "
+                              f"{rest}")
 
     @staticmethod
     def _refusal(cell: Cell, why: str) -> list[Message]:
