@@ -859,3 +859,42 @@ def test_cli_metric_option(tmp_path: Path) -> None:
     write_cells(results.CsvWriter(missing), "numpy", 1.0)
     failed = CliRunner().invoke(main, ["compare", str(missing), "--metric", "time-to-accuracy"])
     assert failed.exit_code == 2 and "declare checks.target_accuracy" in failed.output
+
+
+def _unavailable(writer: results.CsvWriter, backend: str, run_id: str, timestamp: str) -> None:
+    """The one ``run`` row a backend that is not installed gets."""
+    writer.end_cell(dict(ENV, run_id=run_id, workload="mnist", workload_hash="h1", backend=backend, device="cpu",
+                         repeat=1, timestamp=timestamp, message=f"not installed: pip install {backend}"), "unavailable")
+
+
+def test_a_stale_unavailable_row_is_not_pooled_with_a_later_run_of_its_choice(tmp_path: Path) -> None:
+    """jax was not installed, then was, and ran: its old ``unavailable`` row says nothing of it now."""
+    path = tmp_path / "u.csv"
+    w = results.CsvWriter(path)
+    _unavailable(w, "jax", "run0", "2026-01-01T00:00:00+0000")
+    write_cells(w, "tensorflow", 2.0, seed=1, run_id="run1", timestamp="2026-01-02T00:00:00+0000")
+    write_cells(w, "jax", 1.0, seed=2, run_id="run1", timestamp="2026-01-02T00:00:00+0000")
+    groups, out = groups_json([path], baseline="tensorflow")
+    assert groups["jax"]["status"] == "ok" and groups["jax"]["failed"] == "", groups["jax"]
+    assert groups["jax"]["train_verdict"] == "faster"
+    assert not any("unavailable" in line for line in out.warnings)
+    _unavailable(w, "jax", "run2", "2026-01-03T00:00:00+0000")  # uninstalled since: that is news
+    groups, _ = groups_json([path], baseline="tensorflow")
+    assert groups["jax"]["status"] == "unavailable"
+
+
+def test_a_named_baseline_that_failed_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "b.csv"
+    w = results.CsvWriter(path)
+    write_cells(w, "torch", 1.0, repeats=3, seed=1, mode="eager", statuses={2: "crashed"})
+    write_cells(w, "torch", 1.0, repeats=3, seed=2, mode="compile")
+    write_cells(w, "tensorflow", 2.0, repeats=3, seed=3)
+    groups, out = groups_json([path], baseline="torch")  # of the two torch groups, the ok one
+    assert groups["tensorflow"]["baseline"] == "torch:compile"
+    assert any("the baseline is torch:compile" in line for line in out.warnings)
+    groups, out = groups_json([path], baseline="torch:eager")  # named: used, and said to have failed
+    assert groups["tensorflow"]["baseline"] == "torch:eager"
+    assert groups["torch:eager"]["train_text"] == "baseline (crashed: ratios use its 2 ok repeats)"
+    assert any("the baseline torch:eager is crashed" in line for line in out.warnings)
+    text = compare.run_compare([str(path)], baseline="torch:eager").text
+    assert "baseline (crashed: ratios use its 2 ok repeats)" in text

@@ -140,3 +140,22 @@ def test_resuming_a_finished_file_quietly_says_nothing_is_left(tmp_path: Path, m
     assert again.exit_code == 0, again.output[-2000:]
     assert f"resuming {path}: 1 of 1 cells had finished; nothing left to run" in again.stderr
     assert "summary" not in again.stdout  # no empty summary header over no cells
+
+
+def test_an_unavailable_cell_runs_again_on_resume(tmp_path: Path, monkeypatch) -> None:
+    """``unavailable`` is not final: the backend may have been installed since."""
+    from support import inprocess
+
+    path = tmp_path / "u.csv"
+    _write(path, {1: "ok", 2: "unavailable"})
+    assert resume.read(path).finished == {_key(1): "ok"}
+    inprocess.use(monkeypatch)
+    path = tmp_path / "run.csv"
+    args = [*RUN[:RUN.index("--repeats")], "--repeats", "1", "-b", "openvino", "--precision", "fp64",
+            "--no-plots", "-q"]  # openvino has no fp64 (and may not be installed): its cell is unavailable
+    first = invoke(*args, "-o", str(path))
+    assert first.exit_code == 1 and sorted(_cells(path)["status"]) == ["ok", "unavailable"], first.output[-2000:]
+    again = invoke(*args, "--resume", str(path))
+    assert f"resuming {path}: 1 of 2 cells had finished; running the rest" in again.stderr
+    cells = _cells(path)
+    assert sorted(cells["status"]) == ["ok", "unavailable"] and cells["run_id"].nunique() == 2, cells

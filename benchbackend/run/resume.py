@@ -1,11 +1,12 @@
 """``run --resume FILE``: which cells of a results file have finished, and the file made ready for the rest.
 
 A cell has finished when its ``run`` row carries a final status: ``ok``, or a failure the run
-decided (``parity_mismatch`` ... ``crashed``, ``timeout``, ``unavailable``). A cell that was
-``interrupted`` (Ctrl-C, SIGTERM) or is still ``pending`` (its parent was killed outright) has
-not, and runs again. Cells are matched across runs by what they measure (:class:`CellKey`: the
-workload's definition hash, data source, backend, mode, precision, requested device, whether it
-trains, and the repeat), never by run id or place in the run order.
+decided (``parity_mismatch`` ... ``crashed``, ``timeout``). A cell that was ``interrupted``
+(Ctrl-C, SIGTERM) or is still ``pending`` (its parent was killed outright) has not, and runs
+again; so does an ``unavailable`` one, which measured nothing: its backend may have been
+installed since (if not, it is ``unavailable`` again). Cells are matched across runs by what
+they measure (:class:`CellKey`: the workload's definition hash, data source, backend, mode,
+precision, requested device, whether it trains, and the repeat), never by run id or place in the run order.
 
 Before the resumed run appends its rows, the rows of the cells it is about to run again are
 removed, in one atomic rewrite: their partial epochs are superseded, so that no repeat is in the
@@ -23,7 +24,7 @@ from ..errors import ResultsError
 from ..spec.workload import Workload
 
 #: Statuses of a cell attempt that did not finish: unless another attempt did, the cell runs again.
-UNFINISHED = ("interrupted", results.RETRIED, results.PENDING)
+UNFINISHED = ("interrupted", results.RETRIED, results.PENDING, "unavailable")
 
 
 @dataclass(frozen=True)
