@@ -148,7 +148,7 @@ class Runner:
                 self._resume(tasks, refused)
             if self.ready is not None and tasks:
                 self.ready()
-            self.display.begin(len(tasks) + len(refused))
+            self.display.begin([t.cell for t in tasks] + [cell for cell, _ in refused])
             try:
                 for message in [m for cell, why in refused for m in self._refusal(cell, why)]:
                     self.handle(message)
@@ -156,6 +156,7 @@ class Runner:
                     self.handle(message)
             except KeyboardInterrupt as exc:
                 why = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+                self.display.interrupted()
                 for state in list(self.open.values()):
                     self._end(state, Outcome("interrupted", f"stopped by {why} while this cell ran"))
                 raise
@@ -341,4 +342,5 @@ class Runner:
         group = result.cell.group
         self.waiting[group] = self.waiting.get(group, 1) - 1
         if result.status == "unavailable" and self.waiting[group] > 0:
-            self.display.skipped(self.waiting.pop(group))  # the other repeats would say the same
+            self.waiting.pop(group)
+            self.display.skipped(group)  # the other repeats would say the same
