@@ -124,3 +124,17 @@ def test_quiet_run_prints_the_summary_and_no_progress(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert "starting worker" not in result.output and "cells," not in result.output
     assert "summary" in result.output and "numpy:reference/fp32" in result.output
+
+
+def test_the_summary_says_a_cell_stopped_after_an_epoch_rather_than_having_one() -> None:
+    from benchbackend.run.runner import CellResult
+
+    cell = _cells(1)[0]
+    epochs = cell.workload.training.epochs
+    stopped = progress.summary_line(CellResult(cell, "cpu", "interrupted", "stopped by Ctrl-C", [1.5]))
+    assert f"epoch n/a (stopped after epoch 1 of {epochs}, so no steady epoch time)" in stopped
+    assert "only one epoch" not in stopped
+    later = progress.summary_line(CellResult(cell, "cpu", "timeout", "past --timeout", [1.5, 1.0, 1.0]))
+    assert f"epoch 1.000s (stopped after epoch 3 of {epochs})" in later
+    whole = progress.summary_line(CellResult(cell, "cpu", "ok", "", [1.5] * epochs))
+    assert "epoch 1.500s " in whole and "stopped" not in whole

@@ -246,12 +246,15 @@ def row_line(row: dict[str, Any], workload: Any, inference_seconds: list[float])
 
 def summary_line(result: Any) -> str:
     """One cell in the end-of-run summary (a ``runner.CellResult``): status, steady epoch time (the
-    median of the epochs after the first; none with one epoch, as ``compare`` says), final
+    median of the epochs after the first; none with one epoch, as ``compare`` says; a cell stopped
+    before its last epoch says after which), final
     validation accuracy, steady inference time."""
     cell = result.cell
     steady = result.epoch_seconds[1:]  # the first epoch holds tracing and compilation: never steady
-    epoch = (f"epoch {statistics.median(steady):.3f}s" if steady else
-             "epoch n/a (only one epoch, so no steady epoch time)" if result.epoch_seconds else "epoch n/a")
+    ran, epochs = len(result.epoch_seconds), cell.workload.training.epochs
+    stopped = f"stopped after epoch {ran} of {epochs}" if 0 < ran < epochs else ""  # Ctrl-C, --timeout, a crash
+    epoch = (f"epoch {statistics.median(steady):.3f}s" + (f" ({stopped})" if stopped else "") if steady else
+             f"epoch n/a ({stopped or 'only one epoch'}, so no steady epoch time)" if ran else "epoch n/a")
     acc = f"val_acc {result.val_accuracy:.3f}" if result.val_accuracy is not None else "val_acc n/a"
     passes = result.inference_seconds[1:] or result.inference_seconds
     inf = f"infer {statistics.median(passes):.3f}s" if passes else "infer n/a"
