@@ -898,3 +898,36 @@ def test_a_named_baseline_that_failed_says_so(tmp_path: Path) -> None:
     assert any("the baseline torch:eager is crashed" in line for line in out.warnings)
     text = compare.run_compare([str(path)], baseline="torch:eager").text
     assert "baseline (crashed: ratios use its 2 ok repeats)" in text
+
+
+def test_time_to_accuracy_judges_only_the_cells_that_train(tmp_path: Path) -> None:
+    """An inference-only backend trains nothing, so it reached no target: no warning says it missed,
+    and --fail-on-regression does not fail it for that."""
+    other = tmp_path / "ort.csv"
+    write_cells(results.CsvWriter(other), "onnxruntime", 1.0, repeats=3, seed=5, inference_only=True,
+                tta=[math.inf] * 3)
+    groups, out = groups_json([_tta_file(tmp_path), other], baseline="numpy", metric="time-to-accuracy",
+                              fail_on_regression=100.0, candidate=("onnxruntime",))
+    assert (groups["onnxruntime"]["tta_reached"], groups["onnxruntime"]["tta_missed"]) == (0, 0)
+    assert not any("onnxruntime" in line for line in out.warnings), out.warnings
+    assert out.exit_code == 0
+
+
+def test_an_inference_only_run_records_no_time_to_accuracy(tmp_path: Path, monkeypatch) -> None:
+    import yaml
+    from click.testing import CliRunner
+    from support import inprocess
+
+    from benchbackend.cli import main
+
+    spec = yaml.safe_load((ROOT / "workloads" / "mnist.yaml").read_text())
+    spec["name"], spec["checks"]["target_accuracy"] = "mnist_tta", 0.5
+    (tmp_path / "mnist_tta.yaml").write_text(yaml.safe_dump(spec))
+    inprocess.use(monkeypatch)
+    out = tmp_path / "i.csv"
+    r = CliRunner().invoke(main, ["run", str(tmp_path / "mnist_tta.yaml"), "-b", "numpy", "--inference-only",
+                                  "--data", "synthetic", "--limit", "256", "--repeats", "1", "-o", str(out),
+                                  "--no-plots"])
+    assert r.exit_code == 0, r.output[-2000:]
+    assert "time to accuracy" not in r.output
+    assert results.read(out).query("phase == 'run'")["time_to_accuracy_s"].isna().all()
