@@ -104,7 +104,8 @@ def render(probe_devices: bool = True, refresh: bool = False,
             w = workload.load(str(path))
             info = (f"{w.data.dataset:<8} {model.param_count(w):>10,} params  "
                     f"{model.flops_per_sample(w) / 1e6:>8.1f} MFLOPs/sample  {w.training.optimizer} "
-                    f"lr {w.training.lr:g}, batch {w.training.batch_size}, {w.training.epochs} epochs")
+                    f"lr {w.training.lr:g}, batch {w.training.batch_size}, {w.training.epochs} epoch"
+                    + ("s" if w.training.epochs != 1 else ""))
         except (WorkloadError, ValueError) as exc:
             info = f"INVALID: {exc}"
         lines.append(f"  {name:<12} {info}")

@@ -363,14 +363,13 @@ def _sections(text: str) -> list[str]:
 
 def test_definitions_are_compared_apart_and_labelled_by_what_differs(tmp_path: Path) -> None:
     """One workload name, two --limit values: two sections, no ratio between them."""
-    path = tmp_path / "defs.csv"
-    w = results.CsvWriter(path)
-    write_cells(w, "numpy", 1.0, workload_hash="aaa", samples=1024, seed=1,
+    path, other = tmp_path / "defs.csv", tmp_path / "defs-2.csv"  # two runs, two files
+    write_cells(results.CsvWriter(path), "numpy", 1.0, workload_hash="aaa", samples=1024, seed=1,
                 definition="train=1024 val=256 test=256 epochs=4 batch=32 seed=0 data=synthetic")
-    write_cells(w, "tensorflow", 2.0, workload_hash="bbb", samples=2000, seed=2,
-                definition="train=2000 val=256 test=256 epochs=4 batch=32 seed=0 data=synthetic")
-    groups, out = groups_json([path])
-    assert _sections(compare.run_compare([str(path)]).text) == [
+    write_cells(results.CsvWriter(other), "tensorflow", 2.0, workload_hash="bbb", samples=2000, seed=2,
+                run_id="run2", definition="train=2000 val=256 test=256 epochs=4 batch=32 seed=0 data=synthetic")
+    groups, out = groups_json([path, other])
+    assert _sections(compare.run_compare([str(path), str(other)]).text) == [
         "mnist (limit 1024) on cpu (baseline: numpy)", "mnist (limit 2000) on cpu (baseline: tensorflow)"]
     assert groups["numpy"]["experiment"] == "mnist (limit 1024)"
     assert all(g["train_verdict"] == "baseline" and g["train_ratio"] is None for g in groups.values())
@@ -931,3 +930,17 @@ def test_an_inference_only_run_records_no_time_to_accuracy(tmp_path: Path, monke
     assert r.exit_code == 0, r.output[-2000:]
     assert "time to accuracy" not in r.output
     assert results.read(out).query("phase == 'run'")["time_to_accuracy_s"].isna().all()
+
+
+def test_a_deliberate_sweep_in_one_run_is_not_warned_of_as_several_definitions(tmp_path: Path) -> None:
+    """``run --batch-size 32 --batch-size 128`` measures two definitions on purpose; two runs of
+    one workload at two --limit values are what the warning is for."""
+    path = tmp_path / "sweep.csv"
+    w = results.CsvWriter(path)
+    for batch in (32, 128):
+        write_cells(w, "numpy", 1.0, repeats=3, workload_hash=f"h{batch}", run_id="sweep",
+                    definition=f"train=512 val=256 test=256 epochs=4 batch={batch} infer_batch={batch} seed=0 "
+                               "data=synthetic")
+    out = compare.run_compare([str(path)])
+    assert len(_sections(out.text)) == 2
+    assert not any("different definitions" in line for line in out.warnings), out.warnings
