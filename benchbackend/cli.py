@@ -61,7 +61,8 @@ def main() -> None:
               help="Execution mode (repeatable): BACKEND:MODE, or a bare MODE for every backend that has it. "
                    "Default: each backend's first mode. `benchbackend list` shows them.")
 @click.option("--precision", "precisions", multiple=True, metavar="[BACKEND:]PRECISION",
-              help="fp32 (default), bf16, fp16, fp64 (repeatable); a backend without it gets an `unavailable` row.")
+              help="fp32 (default), tf32 (NVIDIA Ampere or newer), bf16, fp16, fp64 (repeatable); a backend "
+                   "or device without it gets an `unavailable` row.")
 @click.option("--replicas", "replica_counts", multiple=True, type=click.IntRange(1), metavar="N",
               help="Data-parallel replicas (repeatable, default 1): the global batch split over N (README \"Data "
                    "parallel\"); a backend without it gets an `unavailable` row. On a CPU the cores are split.")

@@ -18,8 +18,9 @@ def summary(cells: list, out: Optional[Path], plots: bool) -> None:
     """The per-cell summary, then compare's verdict and the plots for what was measured."""
     from .run.progress import summary_line
 
-    click.echo("\nsummary (steady epoch = median of epochs after the first; "
-               "inference = median of passes after the first):")
+    if cells:  # a resumed run with nothing left ran none
+        click.echo("\nsummary (steady epoch = median of epochs after the first; "
+                   "inference = median of passes after the first):")
     for cell in cells:
         click.echo("  " + summary_line(cell))
     if out is not None:

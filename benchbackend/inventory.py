@@ -104,7 +104,8 @@ def render(probe_devices: bool = True, refresh: bool = False,
             w = workload.load(str(path))
             info = (f"{w.data.dataset:<8} {model.param_count(w):>10,} params  "
                     f"{model.flops_per_sample(w) / 1e6:>8.1f} MFLOPs/sample  {w.training.optimizer} "
-                    f"lr {w.training.lr:g}, batch {w.training.batch_size}, {w.training.epochs} epochs")
+                    f"lr {w.training.lr:g}, batch {w.training.batch_size}, {w.training.epochs} epoch"
+                    + ("s" if w.training.epochs != 1 else ""))
         except (WorkloadError, ValueError) as exc:
             info = f"INVALID: {exc}"
         lines.append(f"  {name:<12} {info}")
@@ -123,7 +124,7 @@ def render(probe_devices: bool = True, refresh: bool = False,
         if "error" in p:
             devices = f"devices: probe failed: {p['error']}"
         elif p:
-            devices = "devices: " + ", ".join(p.get("devices", []))
+            devices = "devices: " + ", ".join(device_name(d) for d in p.get("devices", []))
             devices += f" (probed {p['cached']})" if p.get("cached") else ""
         else:
             devices = "devices: (not probed)"
@@ -135,6 +136,16 @@ def render(probe_devices: bool = True, refresh: bool = False,
         for m in s.modes:
             lines.append(f"  {'':<13}{m.name:<16} {m.description}")
     return "\n".join(lines)
+
+
+def device_name(found: str) -> str:
+    """A device as a backend's probe names it, shown as the CSV's ``device`` column names it
+    (``results.canonical_device``): TensorFlow's ``CPU:0`` is ``cpu``, its ``GPU:1`` is ``gpu:1``.
+    A device with no canonical form (a TPU, an OpenCL id, TVM's target) keeps its own name."""
+    from .results import canonical_device
+
+    name = canonical_device(found)
+    return name if name == "cpu" or name.startswith("gpu:") else found
 
 
 def _data_parallel(s: backends.BackendSpec) -> str:

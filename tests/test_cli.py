@@ -133,3 +133,27 @@ def test_the_all_extra_installs_every_backend_extra_and_ray():
     named = set(re.fullmatch(r"benchbackend\[(.*)\]", req).group(1).split(","))
     wanted = {s.extra for s in backends.BACKENDS.values() if s.extra} | {"ray", "text"}
     assert named == wanted and wanted <= set(extras)
+
+
+def test_small_things_of_a_new_users_first_hour(tmp_path, monkeypatch):
+    """``list`` says "1 epoch", names why it is slow the first time (it probes each backend's
+    devices), and ``run --help`` names every precision a backend has (tf32 was left out)."""
+    import yaml
+
+    from benchbackend import inventory
+    from benchbackend.backends import registry
+
+    spec = yaml.safe_load((ROOT / "workloads" / "mnist.yaml").read_text())
+    spec["name"], spec["training"]["epochs"] = "one", 1
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.setenv("BENCHBACKEND_WORKLOADS", str(tmp_path))
+    monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path / "cache"))
+    listed = invoke("list", "--no-probe").output
+    line = next(ln for ln in listed.splitlines() if ln.strip().startswith("one "))
+    assert line.endswith(", 1 epoch"), line
+    heard: list[str] = []
+    inventory.probes([registry.get("numpy")], progress=heard.append)
+    assert heard and heard[0].startswith("probing devices of numpy")
+    helped = " ".join(invoke("run", "--help").output.split())
+    every = dict.fromkeys(p for s in registry.BACKENDS.values() for p in s.precisions)
+    assert all(p in helped.split("--precision [BACKEND:]PRECISION")[1].split("--replicas")[0] for p in every), every

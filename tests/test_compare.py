@@ -363,14 +363,13 @@ def _sections(text: str) -> list[str]:
 
 def test_definitions_are_compared_apart_and_labelled_by_what_differs(tmp_path: Path) -> None:
     """One workload name, two --limit values: two sections, no ratio between them."""
-    path = tmp_path / "defs.csv"
-    w = results.CsvWriter(path)
-    write_cells(w, "numpy", 1.0, workload_hash="aaa", samples=1024, seed=1,
+    path, other = tmp_path / "defs.csv", tmp_path / "defs-2.csv"  # two runs, two files
+    write_cells(results.CsvWriter(path), "numpy", 1.0, workload_hash="aaa", samples=1024, seed=1,
                 definition="train=1024 val=256 test=256 epochs=4 batch=32 seed=0 data=synthetic")
-    write_cells(w, "tensorflow", 2.0, workload_hash="bbb", samples=2000, seed=2,
-                definition="train=2000 val=256 test=256 epochs=4 batch=32 seed=0 data=synthetic")
-    groups, out = groups_json([path])
-    assert _sections(compare.run_compare([str(path)]).text) == [
+    write_cells(results.CsvWriter(other), "tensorflow", 2.0, workload_hash="bbb", samples=2000, seed=2,
+                run_id="run2", definition="train=2000 val=256 test=256 epochs=4 batch=32 seed=0 data=synthetic")
+    groups, out = groups_json([path, other])
+    assert _sections(compare.run_compare([str(path), str(other)]).text) == [
         "mnist (limit 1024) on cpu (baseline: numpy)", "mnist (limit 2000) on cpu (baseline: tensorflow)"]
     assert groups["numpy"]["experiment"] == "mnist (limit 1024)"
     assert all(g["train_verdict"] == "baseline" and g["train_ratio"] is None for g in groups.values())
@@ -859,3 +858,89 @@ def test_cli_metric_option(tmp_path: Path) -> None:
     write_cells(results.CsvWriter(missing), "numpy", 1.0)
     failed = CliRunner().invoke(main, ["compare", str(missing), "--metric", "time-to-accuracy"])
     assert failed.exit_code == 2 and "declare checks.target_accuracy" in failed.output
+
+
+def _unavailable(writer: results.CsvWriter, backend: str, run_id: str, timestamp: str) -> None:
+    """The one ``run`` row a backend that is not installed gets."""
+    writer.end_cell(dict(ENV, run_id=run_id, workload="mnist", workload_hash="h1", backend=backend, device="cpu",
+                         repeat=1, timestamp=timestamp, message=f"not installed: pip install {backend}"), "unavailable")
+
+
+def test_a_stale_unavailable_row_is_not_pooled_with_a_later_run_of_its_choice(tmp_path: Path) -> None:
+    """jax was not installed, then was, and ran: its old ``unavailable`` row says nothing of it now."""
+    path = tmp_path / "u.csv"
+    w = results.CsvWriter(path)
+    _unavailable(w, "jax", "run0", "2026-01-01T00:00:00+0000")
+    write_cells(w, "tensorflow", 2.0, seed=1, run_id="run1", timestamp="2026-01-02T00:00:00+0000")
+    write_cells(w, "jax", 1.0, seed=2, run_id="run1", timestamp="2026-01-02T00:00:00+0000")
+    groups, out = groups_json([path], baseline="tensorflow")
+    assert groups["jax"]["status"] == "ok" and groups["jax"]["failed"] == "", groups["jax"]
+    assert groups["jax"]["train_verdict"] == "faster"
+    assert not any("unavailable" in line for line in out.warnings)
+    _unavailable(w, "jax", "run2", "2026-01-03T00:00:00+0000")  # uninstalled since: that is news
+    groups, _ = groups_json([path], baseline="tensorflow")
+    assert groups["jax"]["status"] == "unavailable"
+
+
+def test_a_named_baseline_that_failed_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "b.csv"
+    w = results.CsvWriter(path)
+    write_cells(w, "torch", 1.0, repeats=3, seed=1, mode="eager", statuses={2: "crashed"})
+    write_cells(w, "torch", 1.0, repeats=3, seed=2, mode="compile")
+    write_cells(w, "tensorflow", 2.0, repeats=3, seed=3)
+    groups, out = groups_json([path], baseline="torch")  # of the two torch groups, the ok one
+    assert groups["tensorflow"]["baseline"] == "torch:compile"
+    assert any("the baseline is torch:compile" in line for line in out.warnings)
+    groups, out = groups_json([path], baseline="torch:eager")  # named: used, and said to have failed
+    assert groups["tensorflow"]["baseline"] == "torch:eager"
+    assert groups["torch:eager"]["train_text"] == "baseline (crashed: ratios use its 2 ok repeats)"
+    assert any("the baseline torch:eager is crashed" in line for line in out.warnings)
+    text = compare.run_compare([str(path)], baseline="torch:eager").text
+    assert "baseline (crashed: ratios use its 2 ok repeats)" in text
+
+
+def test_time_to_accuracy_judges_only_the_cells_that_train(tmp_path: Path) -> None:
+    """An inference-only backend trains nothing, so it reached no target: no warning says it missed,
+    and --fail-on-regression does not fail it for that."""
+    other = tmp_path / "ort.csv"
+    write_cells(results.CsvWriter(other), "onnxruntime", 1.0, repeats=3, seed=5, inference_only=True,
+                tta=[math.inf] * 3)
+    groups, out = groups_json([_tta_file(tmp_path), other], baseline="numpy", metric="time-to-accuracy",
+                              fail_on_regression=100.0, candidate=("onnxruntime",))
+    assert (groups["onnxruntime"]["tta_reached"], groups["onnxruntime"]["tta_missed"]) == (0, 0)
+    assert not any("onnxruntime" in line for line in out.warnings), out.warnings
+    assert out.exit_code == 0
+
+
+def test_an_inference_only_run_records_no_time_to_accuracy(tmp_path: Path, monkeypatch) -> None:
+    import yaml
+    from click.testing import CliRunner
+    from support import inprocess
+
+    from benchbackend.cli import main
+
+    spec = yaml.safe_load((ROOT / "workloads" / "mnist.yaml").read_text())
+    spec["name"], spec["checks"]["target_accuracy"] = "mnist_tta", 0.5
+    (tmp_path / "mnist_tta.yaml").write_text(yaml.safe_dump(spec))
+    inprocess.use(monkeypatch)
+    out = tmp_path / "i.csv"
+    r = CliRunner().invoke(main, ["run", str(tmp_path / "mnist_tta.yaml"), "-b", "numpy", "--inference-only",
+                                  "--data", "synthetic", "--limit", "256", "--repeats", "1", "-o", str(out),
+                                  "--no-plots"])
+    assert r.exit_code == 0, r.output[-2000:]
+    assert "time to accuracy" not in r.output
+    assert results.read(out).query("phase == 'run'")["time_to_accuracy_s"].isna().all()
+
+
+def test_a_deliberate_sweep_in_one_run_is_not_warned_of_as_several_definitions(tmp_path: Path) -> None:
+    """``run --batch-size 32 --batch-size 128`` measures two definitions on purpose; two runs of
+    one workload at two --limit values are what the warning is for."""
+    path = tmp_path / "sweep.csv"
+    w = results.CsvWriter(path)
+    for batch in (32, 128):
+        write_cells(w, "numpy", 1.0, repeats=3, workload_hash=f"h{batch}", run_id="sweep",
+                    definition=f"train=512 val=256 test=256 epochs=4 batch={batch} infer_batch={batch} seed=0 "
+                               "data=synthetic")
+    out = compare.run_compare([str(path)])
+    assert len(_sections(out.text)) == 2
+    assert not any("different definitions" in line for line in out.warnings), out.warnings

@@ -80,16 +80,16 @@ def test_a_residual_block_resolves_with_named_inputs():
     (({"type": "conv2d", "filters": 32, "kernel_size": 3, "name": "res2a"},
       {"type": "conv2d", "filters": 32, "kernel_size": 1, "stride": 2, "name": "proj"},
       {"type": "add", "inputs": ["res2a", "proj"]}, *TAIL),
-     "model[2] add: inputs res2a (16,16,32) and proj (8,8,32) differ"),
+     "model[2] add: inputs res2a (16, 16, 32) and proj (8, 8, 32) differ"),
     (({"type": "conv2d", "filters": 8, "kernel_size": 17, "padding": "valid"}, *TAIL),
-     "model[0] conv2d kernel 17 does not fit input (16,16,3)"),
+     "model[0] conv2d kernel 17 does not fit input (16, 16, 3)"),
     (({"type": "conv2d", "filters": 8, "kernel_size": 3, "name": "dead"},
       {"type": "conv2d", "filters": 8, "kernel_size": 3, "inputs": ["input"]}, *TAIL),
      "model[0] conv2d 'dead': its output is never used"),
     (({"type": "add", "inputs": ["input"]}, *TAIL), "model[0] add: needs two or more inputs; got 1"),
     (({"type": "maxpool2d", "pool_size": 2, "padding": 2}, *TAIL), "must be smaller than the pool size 2"),
     (({"type": "global_avgpool"}, {"type": "global_avgpool"}, TAIL[1]),
-     "model[1] global_avgpool needs an image input (H, W, C), got shape (3)"),
+     "model[1] global_avgpool needs an image input (H, W, C), got shape (3,)"),
 ])
 def test_graph_errors_are_one_line_and_name_the_layer(layers, message):
     assert message in error(*layers)

@@ -141,3 +141,21 @@ def test_the_readme_npz_example_is_valid(tmp_path):
     w = workload.parse({"name": "mine", "model": MODEL[:1] + [{"type": "dense", "units": 10, "activation": "softmax"}],
                         "training": {"optimizer": "sgd", "lr": 0.1, "batch_size": 8, "epochs": 1}, **raw})
     assert w.data.dataset == "npz" and w.data.path == "mine.npz" and w.input_shape == (32, 32, 3)
+
+
+def _npy() -> bytes:
+    import io
+
+    out = io.BytesIO()
+    np.save(out, np.zeros(3))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("content, what", [(b"x_train,y_train\n1,2\n", "it is text"),
+                                           (_npy(), "it is a single .npy array")])
+def test_a_file_that_is_not_an_npz_says_so(tmp_path, content, what):
+    npz_workload(tmp_path, arrays())
+    (tmp_path / "mine.npz").write_bytes(content)
+    with pytest.raises(DataError) as err:
+        data.load(workload.load(str(tmp_path / "mine.yaml")))
+    assert f"mine.npz: not an .npz file ({what}); " in str(err.value) and "pickle" not in str(err.value)

@@ -158,3 +158,38 @@ def test_the_gemm_probe_reads_what_numpy_measures_at_the_same_sizes(name, monkey
     else:
         pytest.fail(f"not within {low:.2g}x-{high:.2g}x of NumPy in {GEMM_TRIES} tries: " + "; ".join(readings))
     print("; ".join(readings))
+
+
+CPU_ZERO = backends.BackendSpec("cpuzero", "support.lazy_backend:CpuZeroNumpyBackend", ("numpy",), "numpy",
+                                "(test only)", "the NumPy reference naming the CPU cpu:0, as TensorFlow does",
+                                modes=(backends.Mode("reference", "the reference"),),
+                                capabilities=backends.Capabilities(peak_probe=True))
+
+
+def test_a_backend_that_names_the_cpu_cpu0_shares_the_cpus_peak_entry(tmp_path, monkeypatch):
+    """TensorFlow's ``cpu:0`` is the ``cpu`` of the others: one cache entry, one best peak, one MFU
+    denominator (its cells divided by a peak of their own, about 2.2x apart)."""
+    from support import inprocess
+
+    inprocess.use(monkeypatch)
+    monkeypatch.setitem(backends.BACKENDS, "cpuzero", CPU_ZERO)
+    monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "z.csv"
+    r = CliRunner().invoke(main, ["run", "mnist", "-b", "numpy", "-b", "cpuzero", "--inference-only", "--data",
+                                  "synthetic", "--limit", "256", "--repeats", "1", "-o", str(out), "--no-plots",
+                                  "-q"])
+    assert r.exit_code == 0, r.output[-2000:]
+    cache = json.loads((tmp_path / "cache" / "peaks.json").read_text())
+    assert len(cache) == 1 and "|cpu|" in next(iter(cache)), cache
+    assert set(next(iter(cache.values()))["probes"]) == {"numpy", "cpuzero"}
+    timed = results.read(out).query("phase == 'inference'")
+    assert set(timed["device"]) == {"cpu"} and timed["peak_flops"].notna().all()
+
+
+def test_list_names_devices_as_the_csv_does():
+    from benchbackend import inventory
+
+    assert [inventory.device_name(d) for d in ["CPU:0", "GPU:1", "cpu", "cuda:0", "llvm_cpu.0"]] == \
+        ["cpu", "gpu:1", "cpu", "gpu:0", "cpu"]
+    assert inventory.device_name("cpu (llvm -mcpu=znver3)") == "cpu (llvm -mcpu=znver3)"
+    assert inventory.device_name("TPU_0(host=0,(0,0,0,0))") == "TPU_0(host=0,(0,0,0,0))"

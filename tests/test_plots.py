@@ -498,3 +498,13 @@ def test_without_a_baseline_the_figure_says_there_is_no_verdict(tmp_path: Path) 
     ax = _figures(df)["mnist-cpu-epoch-time"].axes[0]
     assert "no baseline" in ax.get_title().replace("\n", " ")
     assert not any(ln.get_gid() == plots.BASELINE_GID for ln in ax.lines)
+
+
+def test_a_run_stopped_after_its_first_epoch_says_so_not_one_epoch(tmp_path: Path) -> None:
+    df = _write(tmp_path / "s.csv", epochs=1, backends={"numpy": (2.0, "interrupted"), "torch": (1.0, "timeout")})
+    df["epochs"] = 3  # the workload asked for 3: Ctrl-C or --timeout stopped each cell in its second
+    title = plots.epoch_time_figure(_context(df), "t").axes[0].get_title().replace("\n", " ")
+    assert "stopped before epoch 2 of 3" in title and "one epoch" not in title, title
+    one = _write(tmp_path / "one.csv", epochs=1, backends={"numpy": (2.0, "ok")})
+    one["epochs"] = 1
+    assert "(one epoch:" in plots.epoch_time_figure(_context(one), "t").axes[0].get_title().replace("\n", " ")

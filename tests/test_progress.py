@@ -29,9 +29,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return c
 
 
-def _cells(n: int) -> list[plan.Cell]:
-    w = workload.load("mnist")
-    return [plan.Cell(w, plan.Choice("numpy", "reference", "fp32"), r, n, r - 1) for r in range(1, n + 1)]
+def _cells(n: int, backend: str = "numpy", name: str = "mnist", first: int = 0) -> list[plan.Cell]:
+    w = workload.load(name)
+    return [plan.Cell(w, plan.Choice(backend, "reference", "fp32"), r, n, first + r - 1) for r in range(1, n + 1)]
 
 
 class Tty(io.StringIO):
@@ -42,28 +42,65 @@ class Tty(io.StringIO):
 def test_plain_lines_count_cells_and_estimate_the_time_left_from_finished_cells(clock: Clock) -> None:
     out = io.StringIO()
     shown = progress.PlainDisplay(out)
-    cells = _cells(4)
-    shown.begin(len(cells))
+    cells = _cells(3)
+    other = _cells(2, backend="torch", first=3)[0]  # a group of its own, which turns out unavailable
+    shown.begin([*cells, other])
     for cell, seconds in zip(cells[:2], (10, 30)):
         shown.cell_started(cell)
         clock.now += seconds
         shown.cell_ended(cell, "ok")
     lines = out.getvalue().splitlines()
-    assert lines[0] == "[mnist/numpy:reference/fp32 r1/4] ok [1/4 cells, 0:10 elapsed, ~0:30 left]"
-    assert lines[1] == "[mnist/numpy:reference/fp32 r2/4] ok [2/4 cells, 0:40 elapsed, ~0:40 left]"
-    shown.skipped(1)  # a group turned out unavailable: its other cells will not run
+    assert lines[0] == "[mnist/numpy:reference/fp32 r1/3] ok [1/4 cells, 0:10 elapsed, estimating time left]"
+    shown.skipped(other.group)  # its cells will not run
     assert shown.status() == "2/3 cells, 0:40 elapsed, ~0:20 left"
+
+
+def test_the_time_left_is_estimated_per_workload_and_backend(clock: Clock) -> None:
+    """Quick mnist cells say nothing of cifar10's: until one of its kind has finished (or the
+    running one has an epoch to project), the estimate says so instead of guessing."""
+    shown = progress.Display()
+    mnist, cifar = _cells(2), _cells(2, name="cifar10", first=2)
+    epochs = cifar[0].workload.training.epochs
+    shown.begin([*mnist, *cifar])
+    for cell in mnist:
+        shown.cell_started(cell)
+        clock.now += 5
+        shown.cell_ended(cell, "ok")
+    assert shown.status() == "2/4 cells, 0:10 elapsed, estimating time left"
+    shown.cell_started(cifar[0])
+    clock.now += 30
+    shown.epoch(cifar[0], 1, epochs)  # its first epoch: 30 s, so about 30 s an epoch for each cifar10 cell
+    assert shown.left() == pytest.approx(30 * epochs - 30 + 30 * epochs)
+    clock.now += 30 * epochs - 30
+    shown.cell_ended(cifar[0], "ok")
+    assert shown.left() == pytest.approx(30 * epochs)
+
+
+def test_an_interrupted_run_shows_no_time_left(clock: Clock) -> None:
+    out = Tty()
+    shown = progress.LiveDisplay(out)
+    cells = _cells(3)
+    shown.begin(cells)
+    shown.cell_started(cells[0])
+    clock.now += 10
+    shown.cell_ended(cells[0], "ok")
+    shown.cell_started(cells[1])
+    shown.interrupted()
+    shown.cell_ended(cells[1], "interrupted")
+    shown.close()
+    assert out.getvalue().splitlines()[-1].endswith("stopped: 2/3 cells, 0:10 elapsed")
 
 
 def test_the_live_line_names_the_current_cell_and_epoch(clock: Clock) -> None:
     shown = progress.LiveDisplay(Tty())
     cells = _cells(2)
-    shown.begin(2)
+    shown.begin(cells)
     try:
         shown.cell_started(cells[0])
-        shown.epoch(cells[0], 2, 5)
         clock.now += 65
-        assert shown._render().plain == "0/2 cells, 1:05 elapsed | [mnist/numpy:reference/fp32 r1/2] epoch 2/5"
+        shown.epoch(cells[0], 2, 5)
+        assert shown._render().plain == ("0/2 cells, 1:05 elapsed, ~4:20 left | "
+                                         "[mnist/numpy:reference/fp32 r1/2] epoch 2/5")
     finally:
         shown.close()
 
@@ -87,3 +124,17 @@ def test_quiet_run_prints_the_summary_and_no_progress(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert "starting worker" not in result.output and "cells," not in result.output
     assert "summary" in result.output and "numpy:reference/fp32" in result.output
+
+
+def test_the_summary_says_a_cell_stopped_after_an_epoch_rather_than_having_one() -> None:
+    from benchbackend.run.runner import CellResult
+
+    cell = _cells(1)[0]
+    epochs = cell.workload.training.epochs
+    stopped = progress.summary_line(CellResult(cell, "cpu", "interrupted", "stopped by Ctrl-C", [1.5]))
+    assert f"epoch n/a (stopped after epoch 1 of {epochs}, so no steady epoch time)" in stopped
+    assert "only one epoch" not in stopped
+    later = progress.summary_line(CellResult(cell, "cpu", "timeout", "past --timeout", [1.5, 1.0, 1.0]))
+    assert f"epoch 1.000s (stopped after epoch 3 of {epochs})" in later
+    whole = progress.summary_line(CellResult(cell, "cpu", "ok", "", [1.5] * epochs))
+    assert "epoch 1.500s " in whole and "stopped" not in whole

@@ -74,11 +74,11 @@ def _rows(df: pd.DataFrame) -> list[tuple]:
     return sorted(map(tuple, df[cols].astype(str).to_numpy().tolist()))
 
 
-def _write(path: Path, cells: dict[int, str], workload_hash: str = "h1") -> None:
+def _write(path: Path, cells: dict[int, str], workload_hash: str = "h1", workload: str = "mnist") -> None:
     """Cells (repeat -> final status, or "pending": its parent was killed before its run row)."""
     writer = results.CsvWriter(path)
     for repeat, status in cells.items():
-        base = dict(run_id="run1", cell_order=repeat - 1, workload="mnist", workload_hash=workload_hash,
+        base = dict(run_id="run1", cell_order=repeat - 1, workload=workload, workload_hash=workload_hash,
                     data_source="synthetic", backend="numpy", mode="reference", precision="fp32", device="cpu",
                     requested_device="cpu", inference_only=False, repeat=repeat)
         writer.write({**base, "phase": "train_epoch", "epoch": 1, "seconds": 1.0, "samples": 256})
@@ -114,3 +114,48 @@ def test_resume_refuses_a_changed_definition_a_missing_file_and_other_outputs(tm
     old = tmp_path / "old.csv"  # a file without the last column (``pass``), as an older version wrote
     old.write_text("".join(line.rsplit(",", 1)[0] + "\n" for line in path.read_text().splitlines()))
     assert "cannot append to it" in one_line_error(invoke(*RUN, "--resume", str(old)))
+
+
+def test_resume_refuses_a_file_of_other_workloads(tmp_path: Path, monkeypatch) -> None:
+    from support import inprocess
+
+    inprocess.use(monkeypatch)  # were it let through, its cells would run here
+    path = tmp_path / "resnet20.csv"
+    _write(path, {1: "ok", 2: "interrupted"}, workload="resnet20")
+    before = path.read_text()
+    line = one_line_error(invoke(*RUN, "--resume", str(path)))
+    assert "resnet20" in line and "mnist" in line and "not this command's workloads" in line, line
+    assert path.read_text() == before  # nothing appended, nothing pruned
+
+
+def test_resuming_a_finished_file_quietly_says_nothing_is_left(tmp_path: Path, monkeypatch) -> None:
+    from support import inprocess
+
+    inprocess.use(monkeypatch)
+    path = tmp_path / "done.csv"
+    args = [*RUN[:RUN.index("--repeats")], "--repeats", "1", "--no-plots", "-q"]
+    first = invoke(*args, "-o", str(path))
+    assert first.exit_code == 0, first.output[-2000:]
+    again = invoke(*args, "--resume", str(path))
+    assert again.exit_code == 0, again.output[-2000:]
+    assert f"resuming {path}: 1 of 1 cells had finished; nothing left to run" in again.stderr
+    assert "summary" not in again.stdout  # no empty summary header over no cells
+
+
+def test_an_unavailable_cell_runs_again_on_resume(tmp_path: Path, monkeypatch) -> None:
+    """``unavailable`` is not final: the backend may have been installed since."""
+    from support import inprocess
+
+    path = tmp_path / "u.csv"
+    _write(path, {1: "ok", 2: "unavailable"})
+    assert resume.read(path).finished == {_key(1): "ok"}
+    inprocess.use(monkeypatch)
+    path = tmp_path / "run.csv"
+    args = [*RUN[:RUN.index("--repeats")], "--repeats", "1", "-b", "openvino", "--precision", "fp64",
+            "--no-plots", "-q"]  # openvino has no fp64 (and may not be installed): its cell is unavailable
+    first = invoke(*args, "-o", str(path))
+    assert first.exit_code == 1 and sorted(_cells(path)["status"]) == ["ok", "unavailable"], first.output[-2000:]
+    again = invoke(*args, "--resume", str(path))
+    assert f"resuming {path}: 1 of 2 cells had finished; running the rest" in again.stderr
+    cells = _cells(path)
+    assert sorted(cells["status"]) == ["ok", "unavailable"] and cells["run_id"].nunique() == 2, cells

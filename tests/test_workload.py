@@ -128,3 +128,23 @@ def test_flatten_permutation_maps_nchw_rows_to_nhwc():
     act = np.arange(h * w_ * c).reshape(h, w_, c)
     perm = model.nhwc_to_nchw_rows(h, w_, c)
     assert (act.reshape(-1)[perm] == act.transpose(2, 0, 1).reshape(-1)).all()
+
+
+def test_a_misspelled_key_is_named_with_the_close_one(tmp_path):
+    """``kernal_size`` gave "`model[0].kernel_size` is required", naming neither the typo nor the fix."""
+    text = MINIMAL.replace("{type: flatten}", "{type: conv2d, filters: 2, kernal_size: 3}")
+    with pytest.raises(WorkloadError) as err:
+        workload.load(write(tmp_path, text))
+    assert "unknown key `kernal_size` in `model[0]` (did you mean `kernel_size`?); allowed: " in str(err.value)
+    with pytest.raises(WorkloadError, match=r"unknown key `colour` in `training`; allowed: "):  # nothing close
+        workload.load(write(tmp_path, MINIMAL.replace("epochs: 1}", "epochs: 1, colour: red}")))
+
+
+def test_a_network_that_does_not_fit_its_input_names_the_file_and_prints_shapes_as_tuples(tmp_path):
+    from benchbackend.run import plan
+
+    text = MINIMAL.replace("{type: flatten}", "{type: flatten}\n  - {type: conv2d, filters: 2, kernel_size: 3}")
+    path = write(tmp_path, text.replace("name: tiny", "name: w"))
+    with pytest.raises(WorkloadError) as err:
+        plan.load_workloads((path,), ())
+    assert str(err.value) == f"{path}: model[1] conv2d needs an image input (H, W, C), got shape (784,)"

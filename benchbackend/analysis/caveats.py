@@ -99,7 +99,9 @@ def _differing(rows: list[dict[str, str]], keys: list[str], col: str) -> list[tu
 
 def environment_warnings(df: pd.DataFrame) -> list[str]:
     """Rows from different environments compared with each other (host, CPU, versions);
-    one group's repeats from different hosts; one workload name with several definitions. Over the
+    one group's repeats from different hosts; one workload name with several definitions from
+    different files (one file that holds them all is one command's, which swept them: ``--batch-size``,
+    ``--threads``). Over the
     distinct rows only (a few per repeat), in plain Python: pandas' per-call cost dominated here."""
     rows = _env_rows(df)
     out = []
@@ -113,7 +115,12 @@ def environment_warnings(df: pd.DataFrame) -> list[str]:
         group = GroupKey.of(key)
         out.append(f"{group.experiment}/{group.device}/{named[group]}: its repeats ran on different hosts, "
                    "so its timings mix machines: " + _values_by_source(values))
+    by_file: dict[tuple[str, str], set[str]] = {}
+    for row in rows:
+        by_file.setdefault((row["workload"], row["source"]), set()).add(row["experiment"])
     for (workload,), values in _differing(rows, ["workload"], "experiment"):
+        if any(name == workload and set(values) <= seen for (name, _), seen in by_file.items()):
+            continue  # one file holds them all: one command (a resumed one keeps its definitions) swept them
         out.append(f"workload {workload!r} has {len(values)} different definitions in these "
                    "files; each is compared on its own, with no ratio between them: " + _values_by_source(values))
     return out

@@ -129,7 +129,10 @@ def _pick_baseline(frame: pd.DataFrame, baseline: Optional[str], where: str,
         if metric == TTA:  # a baseline that never reached the target would leave every ratio n/a
             ok = [k for k in ok if frame.loc[k.index, "tta_reached"] > 0] or ok
         return min(ok, key=_preference) if ok else None
-    found = sorted((k for k in keys if k.matches(baseline)), key=_preference)
+    def failed(k: GroupKey) -> tuple[bool, bool]:  # a group whose every repeat is ok first
+        return not summary.is_ok(frame.loc[k.index, "status"]), frame.loc[k.index, "ok_repeats"] == 0
+
+    found = sorted((k for k in keys if k.matches(baseline)), key=lambda k: (failed(k), _preference(k)))
     if not found:
         warnings.append(f"{where}: no {baseline} results, so no ratios there")
         return None
@@ -153,8 +156,10 @@ def _pick_baseline(frame: pd.DataFrame, baseline: Optional[str], where: str,
 def _verdict(r: Optional[stats.Ratio], key: GroupKey, base: Optional[GroupKey], row: pd.Series,
              missed: bool) -> tuple[str, str]:
     """(verdict, text) of one group against the baseline."""
-    if key == base:
-        return "baseline", "baseline"
+    if key == base:  # a named baseline may have failed some repeats: said where its ratios are read
+        ok = int(row["ok_repeats"])
+        return "baseline", ("baseline" if summary.is_ok(row["status"]) else
+                            f"baseline ({row['status']}: ratios use its {ok} ok repeat{'s' if ok != 1 else ''})")
     if not summary.is_ok(row["status"]):
         return (f"not ranked ({row['status']})",) * 2
     if missed:

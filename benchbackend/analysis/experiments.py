@@ -97,7 +97,8 @@ def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
     ``eager xN`` (``eager xN weak`` under weak scaling), a group of its own beside the single
     replica's (its speed-up against it is N times the scaling efficiency: ``scaling.py``). The rows
     of an attempt lost with its node and run again (``retried``) are left out: the attempt that
-    followed measured the cell."""
+    followed measured the cell, and so are the stale ``unavailable`` rows of a group that a later
+    run measured (:func:`_without_stale_unavailable`)."""
     from ..backends import registry
     from ..results import RETRIED
 
@@ -114,7 +115,29 @@ def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
         many = pd.to_numeric(out["replicas"], errors="coerce").fillna(1).astype(int)
         scaling = out["scaling"] if "scaling" in out.columns else pd.Series("strong", index=out.index)
         out["mode"] = group_mode(out["mode"], many, scaling)
-    return out
+    return _without_stale_unavailable(out)
+
+
+def _without_stale_unavailable(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` without the ``unavailable`` cells of a group that another run measured at or after
+    them: an unavailable cell measured nothing, and what it lacked (the backend, a mode, a device)
+    has been there since, so its row would only pool "1 ok + 1 unavailable" into a group that is
+    then not ranked. An ``unavailable`` row later than every other run of its group stays (that is
+    news), and so does one of the run that measured the group's other repeats."""
+    gone = df["status"] == "unavailable"
+    if not gone.any() or gone.all():
+        return df
+    stamp = df["timestamp"].astype(str) if "timestamp" in df.columns else pd.Series("", index=df.index)
+    keys = GROUP_KEYS + ["run_id"]
+    measured = stamp[~gone].groupby([df.loc[~gone, k] for k in keys]).max()
+    runs: dict[tuple, list[tuple[str, str]]] = {}
+    for (*group, run), last in measured.items():
+        runs.setdefault(tuple(group), []).append((run, last))
+    stale = gone.to_numpy().copy()  # by position: the rows of several files may share index labels
+    for pos in stale.nonzero()[0]:
+        row, when = df.iloc[pos], stamp.iloc[pos]
+        stale[pos] = any(run != row["run_id"] and last >= when for run, last in runs.get(tuple(row[GROUP_KEYS]), []))
+    return df[~stale]
 
 
 def with_experiment(df: pd.DataFrame) -> pd.DataFrame:

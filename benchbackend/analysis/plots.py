@@ -155,8 +155,9 @@ def epoch_time_figure(groups: pd.DataFrame, title: str) -> "Figure":
     else:
         _bars(ax, groups, "first_s", "first_s", "first_s", " s", "#.3g", prefix=None)
         ax.set_ylabel("first epoch time (s)")
-        ax.set_title(wrap(f"{title}: first epoch time (one epoch: no steady state, no verdict)", width),
-                     fontsize=11)
+        asked = pd.to_numeric(groups["epochs"], errors="coerce").max() if "epochs" in groups else math.nan
+        why = f"stopped before epoch 2 of {asked:g}" if asked > 1 else "one epoch"  # Ctrl-C, --timeout, a crash
+        ax.set_title(wrap(f"{title}: first epoch time ({why}: no steady state, no verdict)", width), fontsize=11)
     return fig
 
 

@@ -296,7 +296,7 @@ def _rate_rows(rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def _with_tta(groups: pd.DataFrame, timed: pd.DataFrame) -> pd.DataFrame:
     """Time to accuracy of the timed repeats that reached the target (median, interval, count) and
-    how many of them did not (``inf``): those cannot be timed."""
+    how many of them did not (``inf``): those cannot be timed. Only groups that train are counted."""
     level = list(range(len(GROUP_KEYS)))
     tta = timed["tta_s"]
     reached = tta[np.isfinite(tta)]
@@ -304,8 +304,10 @@ def _with_tta(groups: pd.DataFrame, timed: pd.DataFrame) -> pd.DataFrame:
     iv = _intervals(reached.to_frame(), "tta_s", groups.index)
     groups["tta_low"], groups["tta_high"], groups["tta_interval"] = iv["low"], iv["high"], iv["kind"].fillna("")
     counts = {"tta_reached": np.isfinite(tta), "tta_missed": np.isinf(tta)}
+    trains = ~groups["inference_only"].astype(bool)  # a cell that trains nothing reaches no target, nor misses one
     for name, mask in counts.items():
-        groups[name] = mask.groupby(level=level, sort=False).sum().reindex(groups.index).fillna(0).astype(int)
+        counted = mask.groupby(level=level, sort=False).sum().reindex(groups.index).fillna(0).astype(int)
+        groups[name] = counted.where(trains, 0)
     groups["tta_n"] = groups["tta_reached"]
     return groups
 

@@ -58,6 +58,7 @@ def read(workload: "Workload") -> dict[str, np.ndarray]:
 def _load(path: Path) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise DataError(f"{path}: no such file (the workload's data.path)")
+    _check_is_npz(path)
     try:
         with np.load(path, allow_pickle=False) as z:
             keys = list(z.files)
@@ -81,6 +82,30 @@ def _load(path: Path) -> dict[str, np.ndarray]:
     except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
         raise DataError(f"{path}: not a readable .npz file ({type(exc).__name__}: {exc})") from None
     return arrays
+
+
+def _check_is_npz(path: Path) -> None:
+    """An .npz is a zip of .npy arrays; anything else (a CSV, one .npy) is named for what it is,
+    rather than what ``np.load`` makes of it ("pickled data" for text, a bare array for an .npy)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(512)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc.strerror}") from None
+    if zipfile.is_zipfile(path):
+        return
+    if head.startswith(b"\x93NUMPY"):
+        what = "it is a single .npy array"
+    elif not head:
+        what = "it is empty"
+    else:
+        try:
+            head.decode("utf-8")
+            what = "it is text"
+        except UnicodeDecodeError:
+            what = "it is not a zip archive"
+    raise DataError(f"{path}: not an .npz file ({what}); write one with numpy.savez(path, x_train=..., "
+                    "y_train=..., x_test=..., y_test=...)")
 
 
 def _check_pair(where: str, part: str, arrays: dict[str, np.ndarray], shape: tuple[int, ...],

@@ -36,8 +36,9 @@ def path() -> Path:
 
 
 def key(host: str, model: str, device: str, precision: str, threads: Optional[int]) -> str:
-    """The cache key of a device: ``model`` is the GPU's name or the CPU's (two hosts may share a
-    name, not a model); a peak measured with 1 thread is not the peak of 2."""
+    """The cache key of a device: ``device`` as ``results.canonical_device`` names it (``cpu``,
+    ``gpu:0``: one entry whichever framework probed it); ``model`` is the GPU's name or the CPU's
+    (two hosts may share a name, not a model); a peak measured with 1 thread is not the peak of 2."""
     return "|".join([host, model, device, precision, f"threads={threads or 'all'}"])
 
 

@@ -21,6 +21,7 @@ from ..backends import registry as backends
 from ..backends.base import Options
 from ..errors import BackendUnavailable, WorkloadError
 from ..spec.workload import Workload, load
+from ..spec.workload import resolve as workload_path
 
 ORDERS = ("interleaved", "sequential")
 
@@ -138,13 +139,15 @@ def load_workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], **overr
     a network that does not fit its input is a ``WorkloadError`` naming the layer."""
     from ..spec.model import describe
 
-    loaded = [load(w).with_overrides(batch_size=b, **overrides)
-              for w in names for b in (list(dict.fromkeys(batch_sizes)) or [None])]
-    for w in loaded:
-        try:
-            describe(w)
-        except ValueError as exc:
-            raise WorkloadError(f"{w.name}: {exc}") from None
+    loaded = []
+    for name in names:
+        for b in list(dict.fromkeys(batch_sizes)) or [None]:
+            w = load(name).with_overrides(batch_size=b, **overrides)
+            try:
+                describe(w)
+            except ValueError as exc:  # named by its file, as the workload's other errors are
+                raise WorkloadError(f"{workload_path(name)}: {exc}") from None
+            loaded.append(w)
     return loaded
 
 

@@ -1,9 +1,10 @@
 """What a person sees while a run goes: cells done out of the total, the current cell and epoch,
-the time elapsed and the time left (estimated from the cells that finished).
+the time elapsed and the time left (estimated per workload and backend: ``Display``).
 
 ``display(quiet, stream)`` picks one of three: on a terminal a live line that redraws in place
 under the log (``rich``), in CI or when piped plain lines (each finished cell says ``[k/N]`` with
-the elapsed and estimated time), and nothing at all with ``--quiet``. The runner calls the same
+the elapsed and estimated time), and with ``--quiet`` only what the run as a whole does
+(``Display.announce``). The runner calls the same
 methods on each; nothing here knows about rows, CSVs or frameworks.
 """
 from __future__ import annotations
@@ -13,10 +14,15 @@ import os
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Optional, Sequence, TextIO
 
 if TYPE_CHECKING:
     from .plan import Cell
+
+
+def kind(cell: "Cell") -> tuple[str, str]:
+    """What the time-left estimate pools: a workload (``mnist b128`` in a batch sweep) and a backend."""
+    return _names(cell)[0], cell.choice.backend
 
 
 def _names(cell: "Cell") -> tuple[str, str]:
@@ -45,38 +51,68 @@ def clock(seconds: float) -> str:
 
 
 class Display:
-    """The quiet display, and the bookkeeping every display shares: counts and the estimate."""
+    """The quiet display, and the bookkeeping every display shares: counts and the estimate.
 
-    def __init__(self) -> None:
+    The time left is estimated per kind of cell (workload and backend: a cifar10 cell says nothing
+    of an mnist one, nor torch of TensorFlow): each cell still to run takes the mean time of the
+    finished cells of its kind; a kind none of whose cells has finished is projected from the
+    running cell's first epochs (their time so far, times its epochs), and until then the estimate
+    says ``estimating``. An interrupted run shows no time left."""
+
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
+        #: Where :meth:`announce` prints with ``--quiet`` (None: nowhere).
+        self.stream = stream
         self.total = 0
         self.done = 0
         self.started_at = time.monotonic()
         self.cell_started_at = self.started_at
-        self.cell_seconds: list[float] = []
+        #: The cells not ended yet (by their place in the run), and each kind's finished cells' seconds.
+        self.pending: dict[int, "Cell"] = {}
+        self.seconds: dict[tuple[str, str], list[float]] = {}
         self.current: Optional["Cell"] = None
+        self.epochs_done = self.epochs = 0
         self.epoch_text = ""
+        self.stopped = False
 
     # --- what the runner calls --------------------------------------------------------------
-    def begin(self, total: int) -> None:
-        self.total, self.started_at = total, time.monotonic()
+    def begin(self, cells: Sequence["Cell"]) -> None:
+        """The cells the run is about to run."""
+        self.pending = {c.order: c for c in cells}
+        self.total, self.started_at = len(cells), time.monotonic()
 
     def note(self, text: str) -> None:
         """One line of the log (a cell's progress, a warning)."""
 
+    def announce(self, text: str) -> None:
+        """A line that prints even with ``--quiet``: what the run as a whole does (``resuming ...:
+        nothing left to run``)."""
+        if self.stream is not None:
+            print(text, file=self.stream, flush=True)
+
     def cell_started(self, cell: "Cell") -> None:
-        self.current, self.cell_started_at, self.epoch_text = cell, time.monotonic(), ""
+        self.current, self.cell_started_at, self.epoch_text, self.epochs_done = cell, time.monotonic(), "", 0
 
     def epoch(self, cell: "Cell", epoch: int, epochs: int) -> None:
         self.epoch_text = f"epoch {epoch}/{epochs}"
+        self.epochs_done, self.epochs = epoch, epochs
 
     def cell_ended(self, cell: "Cell", status: str) -> None:
         self.done += 1
-        self.cell_seconds.append(time.monotonic() - self.cell_started_at)
+        self.pending.pop(cell.order, None)
+        if status not in ("unavailable", "interrupted"):  # a cell that ran to its end
+            self.seconds.setdefault(kind(cell), []).append(time.monotonic() - self.cell_started_at)
         self.current = None
 
-    def skipped(self, cells: int) -> None:
-        """Cells that will not run after all (their group is unavailable): the total shrinks."""
-        self.total = max(self.done, self.total - cells)
+    def skipped(self, group: object) -> None:
+        """The cells of ``group`` that will not run after all (it is unavailable): the total shrinks."""
+        gone = [order for order, c in self.pending.items() if c.group == group and c is not self.current]
+        for order in gone:
+            del self.pending[order]
+        self.total = max(self.done, self.total - len(gone))
+
+    def interrupted(self) -> None:
+        """Ctrl-C or SIGTERM: the cells left will not run, so no time is left to show."""
+        self.stopped = True
 
     def close(self) -> None:
         """The run has ended (or was interrupted)."""
@@ -85,28 +121,52 @@ class Display:
     def elapsed(self) -> float:
         return time.monotonic() - self.started_at
 
+    def _cell_seconds(self, cell: "Cell") -> Optional[float]:
+        """How long a cell of this kind takes: the mean of the finished ones, else the running one's
+        epochs so far projected to all its epochs, else None (not known yet)."""
+        finished = self.seconds.get(kind(cell))
+        if finished:
+            return sum(finished) / len(finished)
+        now = self.current
+        if now is not None and kind(now) == kind(cell) and self.epochs_done:
+            ran = time.monotonic() - self.cell_started_at
+            return ran / self.epochs_done * max(self.epochs_done, self.epochs)
+        return None
+
     def left(self) -> Optional[float]:
-        """Seconds left: the mean of the finished cells times the cells not finished; None before one."""
-        if not self.cell_seconds:
+        """Seconds left: each cell not ended at its kind's time (the running one less its time so
+        far); None when the run was interrupted or a kind's time is not known yet."""
+        if self.stopped:
             return None
-        return sum(self.cell_seconds) / len(self.cell_seconds) * max(0, self.total - self.done)
+        total = 0.0
+        for cell in self.pending.values():
+            each = self._cell_seconds(cell)
+            if each is None:
+                return None
+            ran = time.monotonic() - self.cell_started_at if cell is self.current else 0.0
+            total += max(0.0, each - ran)
+        return total
 
     def status(self) -> str:
-        """``3/12 cells, 0:42 elapsed, ~1:30 left``."""
+        """``3/12 cells, 0:42 elapsed, ~1:30 left`` (``estimating time left`` until a cell of each
+        kind still to run has finished)."""
         left = self.left()
-        return (f"{self.done}/{self.total} cells, {clock(self.elapsed())} elapsed"
-                + (f", ~{clock(left)} left" if left is not None else ""))
+        shown = (f", ~{clock(left)} left" if left is not None else
+                 "" if self.stopped or not self.pending else ", estimating time left")
+        return f"{self.done}/{self.total} cells, {clock(self.elapsed())} elapsed{shown}"
 
 
 class PlainDisplay(Display):
     """Plain lines (CI, a pipe, a file): the log, and the counts at the end of each cell."""
 
     def __init__(self, stream: TextIO):
-        super().__init__()
-        self.stream = stream
+        super().__init__(stream)
 
     def note(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
+
+    def announce(self, text: str) -> None:
+        self.note(text)
 
     def cell_ended(self, cell: "Cell", status: str) -> None:
         super().cell_ended(cell, status)
@@ -132,12 +192,15 @@ class LiveDisplay(Display):
         now = f" | {tag(self.current)} {self.epoch_text}".rstrip() if self.current is not None else ""
         return Text(f"{self.status()}{now}", style="bold")
 
-    def begin(self, total: int) -> None:
-        super().begin(total)
+    def begin(self, cells: Sequence["Cell"]) -> None:
+        super().begin(cells)
         self.live.start()
 
     def note(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False)
+
+    def announce(self, text: str) -> None:
+        self.note(text)
 
     def cell_ended(self, cell: "Cell", status: str) -> None:
         super().cell_ended(cell, status)
@@ -145,7 +208,7 @@ class LiveDisplay(Display):
 
     def close(self) -> None:
         self.live.stop()
-        self.note(f"done: {self.status()}")
+        self.note(f"{'stopped' if self.stopped else 'done'}: {self.status()}")
 
 
 def display(quiet: bool = False, stream: Optional[TextIO] = None) -> Display:
@@ -153,7 +216,7 @@ def display(quiet: bool = False, stream: Optional[TextIO] = None) -> Display:
     CI; plain lines otherwise."""
     stream = stream or sys.stderr
     if quiet:
-        return Display()
+        return Display(stream)
     interactive = stream.isatty() and not os.environ.get("CI") and os.environ.get("TERM") != "dumb"
     return LiveDisplay(stream) if interactive else PlainDisplay(stream)
 
@@ -188,12 +251,15 @@ def row_line(row: dict[str, Any], workload: Any, inference_seconds: list[float])
 
 def summary_line(result: Any) -> str:
     """One cell in the end-of-run summary (a ``runner.CellResult``): status, steady epoch time (the
-    median of the epochs after the first; none with one epoch, as ``compare`` says), final
+    median of the epochs after the first; none with one epoch, as ``compare`` says; a cell stopped
+    before its last epoch says after which), final
     validation accuracy, steady inference time."""
     cell = result.cell
     steady = result.epoch_seconds[1:]  # the first epoch holds tracing and compilation: never steady
-    epoch = (f"epoch {statistics.median(steady):.3f}s" if steady else
-             "epoch n/a (only one epoch, so no steady epoch time)" if result.epoch_seconds else "epoch n/a")
+    ran, epochs = len(result.epoch_seconds), cell.workload.training.epochs
+    stopped = f"stopped after epoch {ran} of {epochs}" if 0 < ran < epochs else ""  # Ctrl-C, --timeout, a crash
+    epoch = (f"epoch {statistics.median(steady):.3f}s" + (f" ({stopped})" if stopped else "") if steady else
+             f"epoch n/a ({stopped or 'only one epoch'}, so no steady epoch time)" if ran else "epoch n/a")
     acc = f"val_acc {result.val_accuracy:.3f}" if result.val_accuracy is not None else "val_acc n/a"
     passes = result.inference_seconds[1:] or result.inference_seconds
     inf = f"infer {statistics.median(passes):.3f}s" if passes else "infer n/a"

@@ -1,11 +1,12 @@
 """``run --resume FILE``: which cells of a results file have finished, and the file made ready for the rest.
 
 A cell has finished when its ``run`` row carries a final status: ``ok``, or a failure the run
-decided (``parity_mismatch`` ... ``crashed``, ``timeout``, ``unavailable``). A cell that was
-``interrupted`` (Ctrl-C, SIGTERM) or is still ``pending`` (its parent was killed outright) has
-not, and runs again. Cells are matched across runs by what they measure (:class:`CellKey`: the
-workload's definition hash, data source, backend, mode, precision, requested device, whether it
-trains, and the repeat), never by run id or place in the run order.
+decided (``parity_mismatch`` ... ``crashed``, ``timeout``). A cell that was ``interrupted``
+(Ctrl-C, SIGTERM) or is still ``pending`` (its parent was killed outright) has not, and runs
+again; so does an ``unavailable`` one, which measured nothing: its backend may have been
+installed since (if not, it is ``unavailable`` again). Cells are matched across runs by what
+they measure (:class:`CellKey`: the workload's definition hash, data source, backend, mode,
+precision, requested device, whether it trains, and the repeat), never by run id or place in the run order.
 
 Before the resumed run appends its rows, the rows of the cells it is about to run again are
 removed, in one atomic rewrite: their partial epochs are superseded, so that no repeat is in the
@@ -23,7 +24,7 @@ from ..errors import ResultsError
 from ..spec.workload import Workload
 
 #: Statuses of a cell attempt that did not finish: unless another attempt did, the cell runs again.
-UNFINISHED = ("interrupted", results.RETRIED, results.PENDING)
+UNFINISHED = ("interrupted", results.RETRIED, results.PENDING, "unavailable")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class Previous:
     finished: dict[CellKey, str] = field(default_factory=dict)
     #: Workload name -> the definition hashes measured under it.
     definitions: dict[str, set[str]] = field(default_factory=dict)
+    #: The workloads the file holds rows of.
+    workloads: set[str] = field(default_factory=set)
 
 
 def read(path: Path) -> Previous:
@@ -86,7 +89,7 @@ def read(path: Path) -> Previous:
     if header != results.COLUMNS:
         raise ResultsError(f"{path}: written by another version of benchbackend (its columns differ from schema "
                            f"{results.SCHEMA_VERSION}'s), so a resumed run cannot append to it: run into a new file")
-    out = Previous(path)
+    out = Previous(path, workloads={str(name) for name in df["workload"] if name})
     for name, digest in df[["workload", "workload_hash"]].drop_duplicates().itertuples(index=False):
         if digest:
             out.definitions.setdefault(name, set()).add(digest)
@@ -96,11 +99,17 @@ def read(path: Path) -> Previous:
 
 
 def check_definitions(previous: Previous, workloads: Iterable[Workload]) -> None:
-    """A workload of the plan that the file measured under another definition is an error: the
-    resumed cells would not be comparable with the finished ones."""
+    """A file that holds runs of a workload the command does not plan is an error (it is another
+    run's file: the resumed rows would be appended to it, and its report redrawn with them), and so
+    is a workload of the plan that the file measured under another definition: the resumed cells
+    would not be comparable with the finished ones."""
     planned: dict[str, set[str]] = {}
     for w in workloads:
         planned.setdefault(w.name, set()).add(w.hash())
+    others = sorted(previous.workloads - set(planned))
+    if others:
+        raise ResultsError(f"{previous.path}: holds runs of {', '.join(others)}, not this command's workloads "
+                           f"({', '.join(planned)}): resume with the command that wrote it, or run into a new file")
     for name, hashes in planned.items():
         other = sorted(previous.definitions.get(name, set()) - hashes)
         if other:

@@ -148,7 +148,7 @@ class Runner:
                 self._resume(tasks, refused)
             if self.ready is not None and tasks:
                 self.ready()
-            self.display.begin(len(tasks) + len(refused))
+            self.display.begin([t.cell for t in tasks] + [cell for cell, _ in refused])
             try:
                 for message in [m for cell, why in refused for m in self._refusal(cell, why)]:
                     self.handle(message)
@@ -156,6 +156,7 @@ class Runner:
                     self.handle(message)
             except KeyboardInterrupt as exc:
                 why = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+                self.display.interrupted()
                 for state in list(self.open.values()):
                     self._end(state, Outcome("interrupted", f"stopped by {why} while this cell ran"))
                 raise
@@ -226,7 +227,8 @@ class Runner:
         self.writer.adopt(resume.prune(self.writer.path, again))
         planned = len(cells(self.plan))
         rest = "nothing left to run" if len(self.resumed) == planned else "running the rest"
-        self.display.note(f"resuming {self.writer.path}: {len(self.resumed)} of {planned} cells had finished; {rest}")
+        self.display.announce(f"resuming {self.writer.path}: {len(self.resumed)} of {planned} cells had finished; "
+                              f"{rest}")
 
     @staticmethod
     def _refusal(cell: Cell, why: str) -> list[Message]:
@@ -326,7 +328,7 @@ class Runner:
             values["notes"] = busy
             self.display.note(f"{progress.tag(result.cell)} {busy}")
         target = w.checks.target_accuracy
-        if target is not None and outcome.status == "done":
+        if target is not None and outcome.status == "done" and not state.base["inference_only"]:
             values["time_to_accuracy_s"] = reached = checks.time_to_accuracy(state.rows, target)
             self.display.note(f"{progress.tag(result.cell)} time to accuracy {target:g}: "
                               + (f"{reached:.2f}s of training" if reached != float("inf") else "not reached"))
@@ -342,4 +344,5 @@ class Runner:
         group = result.cell.group
         self.waiting[group] = self.waiting.get(group, 1) - 1
         if result.status == "unavailable" and self.waiting[group] > 0:
-            self.display.skipped(self.waiting.pop(group))  # the other repeats would say the same
+            self.waiting.pop(group)
+            self.display.skipped(group)  # the other repeats would say the same

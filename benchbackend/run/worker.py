@@ -294,11 +294,11 @@ def _peak(backend: Any, job: Job) -> Optional[dict[str, Any]]:
     when no probe exists for the device (a GPU runtime without its own, before any other probed)."""
     if job.options.peak_tflops:
         return {"flops": float(job.options.peak_tflops) * 1e12, "source": "--peak-tflops"}
-    from ..results import environment
+    from ..results import canonical_device, environment
     from . import peaks
 
     env = environment()
-    device = backend.device_id()
+    device = canonical_device(backend.device_id())  # TensorFlow's cpu:0 is the cpu of the others
     k = peaks.key(env["host"], backend.gpu_name() or env["cpu"], device, backend.precision,
                   _threads(backend, job))
     own = job.capabilities.peak_probe

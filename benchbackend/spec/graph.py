@@ -169,7 +169,8 @@ def _label(i: int, layer: Any) -> str:
 
 
 def _shape(shape: Shape) -> str:
-    return "(" + ",".join(map(str, shape)) + ")"
+    """``(784,)``, ``(32, 32, 3)``: as Python prints a tuple, and as every other message does."""
+    return str(tuple(int(n) for n in shape))
 
 
 def _names(layers: Sequence[Any]) -> dict[str, int]:

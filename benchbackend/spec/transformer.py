@@ -16,7 +16,8 @@ Shape = tuple[int, ...]
 
 
 def _shape(shape: Shape) -> str:
-    return "(" + ",".join(map(str, shape)) + ")"
+    """``(784,)``, ``(32, 32, 3)``: as Python prints a tuple, and as every other message does."""
+    return str(tuple(int(n) for n in shape))
 
 
 def _sequence(label: str, shape: Shape) -> tuple[int, int]:

@@ -11,6 +11,7 @@ stands on its own.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -401,14 +402,18 @@ def _allowed_keys(cls: type[BaseModel], loc: tuple[Any, ...], raw: Any) -> list[
 
 
 def _explain(err: ValidationError, raw: Any) -> str:
-    e = err.errors()[0]
+    # An unknown key comes first: a misspelled one (``kernal_size``) also leaves its field missing,
+    # and "`kernel_size` is required" would name neither the typo nor the fix.
+    e = next((x for x in err.errors() if x["type"] == "extra_forbidden"), err.errors()[0])
     loc = tuple(e["loc"])
     path = _fmt_loc(loc)
     if e["type"] == "extra_forbidden":
         allowed = _allowed_keys(Workload, loc, raw)
         parent = _fmt_loc(loc[:-1])
         where = f" in `{parent}`" if loc[:-1] else ""
-        return f"unknown key `{loc[-1]}`{where}; allowed: {', '.join(allowed)}"
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f" (did you mean `{close[0]}`?)" if close else ""
+        return f"unknown key `{loc[-1]}`{where}{hint}; allowed: {', '.join(allowed)}"
     if e["type"] == "union_tag_invalid":
         return (f"`{path}.type` must be one of {', '.join(LAYER_TYPES)}; "
                 f"got {e.get('ctx', {}).get('tag', e.get('input'))!r}")

@@ -13,7 +13,8 @@ in ``sync`` or in ``to_host``, for exact tests of what a timed region includes (
 ``PlacingDevice``: copies to the device queued with the work, for tests of where the one-off copy
 of the run's arrays is timed (the ``build`` row, never an epoch or a pass).
 
-``LowPeakNumpyBackend``: a GEMM probe that reads far too low.
+``LowPeakNumpyBackend``: a GEMM probe that reads far too low. ``CpuZeroNumpyBackend``: the host CPU
+named as TensorFlow names it.
 """
 from __future__ import annotations
 
@@ -185,3 +186,15 @@ class PlacingDevice(NumpyBackend):
     def to_host(self, value: Any) -> Any:
         CLOCK.wait_until(self.busy_until)
         return super().to_host(value)
+
+
+class CpuZeroNumpyBackend(NumpyBackend):
+    """The reference naming the host CPU as TensorFlow does (``cpu:0``), with a GEMM probe of its own."""
+
+    name = "cpuzero"
+
+    def device_id(self) -> str:
+        return "cpu:0"
+
+    def gemm_peak(self, precision: str) -> float:
+        return 1e9  # below any real CPU's: the entry's best stays NumPy's
