@@ -242,7 +242,7 @@ def test_a_malformed_repeat_is_one_line_naming_it(block: dict, says: str) -> Non
     (lambda m: m[-1].update(tied_to="nothing"), "`tied_to` 'nothing' must name an earlier embedding layer"),
     (lambda m: m[-1].update(units=V + 1), "it needs inputs of width 8 and 7 units"),
     (lambda m: m[1]["layers"][1].update(kv_heads=3), "`kv_heads` (3) must divide `heads` (4)"),
-    (lambda m: m[-1].update(tied_to=None, units=V + 1), "must be (5,7), one row of next-token scores"),
+    (lambda m: m[-1].update(tied_to=None, units=V + 1), "must be (5, 7), one row of next-token scores"),
 ])
 def test_a_decoder_that_does_not_fit_says_where(change: Any, says: str) -> None:
     raw = nano_raw()
