@@ -76,7 +76,8 @@ def main() -> None:
 @click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(1),
               help="Repeats per cell, each in a fresh process.")
 @click.option("--epochs", type=click.IntRange(1), help="Override the workload's epochs.")
-@click.option("--limit", type=click.IntRange(1), help="Cap training samples (validation/test shrink in proportion).")
+@click.option("--limit", type=click.IntRange(1), help="Cap training samples (validation/test shrink in proportion, "
+                                                       "not below 256); with --inference-only, cap the test samples.")
 @click.option("--seed", type=int, help="Override the workload's seed (weights, data, order).")
 @click.option("--data", "data_source", type=click.Choice(["auto", "real", "synthetic"]), default="auto",
               show_default=True, help="real: the canonical files (downloaded if missing); synthetic: "
@@ -167,7 +168,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
                            "trains nothing (inference runs on one device): leave out one of them")
     try:
         loaded = planning.load_workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed,
-                                         text=None if text is None else str(text))
+                                         text=None if text is None else str(text), inference_only=inference_only)
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
         choices = planning.with_threads(planning.with_replicas(

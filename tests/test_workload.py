@@ -148,3 +148,16 @@ def test_a_network_that_does_not_fit_its_input_names_the_file_and_prints_shapes_
     with pytest.raises(WorkloadError) as err:
         plan.load_workloads((path,), ())
     assert str(err.value) == f"{path}: model[1] conv2d needs an image input (H, W, C), got shape (784,)"
+
+
+def test_limit_caps_the_test_set_of_an_inference_only_run() -> None:
+    """Issue 41 item 6: `run resnet50 --inference-only --limit 32` made 256 test images (5 minutes a
+    torch cell); nothing judges accuracy there, so the 256 floor gives way."""
+    from benchbackend.run import plan
+
+    (w,) = plan.load_workloads(("resnet50",), (), limit=32, inference_only=True)
+    assert (w.data.train, w.data.test) == (32, 32)
+    (trains,) = plan.load_workloads(("resnet50",), (), limit=32)
+    assert trains.data.test == min(workload.load("resnet50").data.test, 256)  # training keeps its floor
+    (small,) = plan.load_workloads(("mnist",), (), limit=100000, inference_only=True)
+    assert small.data.test == workload.load("mnist").data.test  # a limit above the sizes changes nothing

@@ -304,12 +304,14 @@ class Workload(_Strict):
 
     def with_overrides(self, *, epochs: Optional[int] = None, limit: Optional[int] = None,
                        seed: Optional[int] = None, batch_size: Optional[int] = None,
-                       text: Optional[str] = None) -> "Workload":
+                       text: Optional[str] = None, inference_only: bool = False) -> "Workload":
         """A copy with command-line overrides applied.
 
         ``limit`` caps the training samples; validation and test shrink in proportion (never below
         256, or the full size if smaller, so the chance check has samples to judge), so a smoke run
-        stays a smoke run.
+        stays a smoke run. With ``inference_only`` nothing is judged on validation accuracy:
+        ``limit`` caps the test samples too (``run resnet50 --inference-only --limit 32`` times 32
+        images, not 256).
         ``batch_size`` sets both the training and the inference batch size.
         ``text``: a language model's data becomes that UTF-8 file or folder (``dataset: text``), at
         the same context, vocabulary and counts; raises ``WorkloadError`` for any other workload.
@@ -338,7 +340,9 @@ class Workload(_Strict):
             shrink = lambda n: min(n, max(256, round(n * frac)))  # noqa: E731
             upd["data"] = self.data.model_copy(update={
                 "train": limit, "validation": shrink(self.data.validation) if self.data.validation else 0,
-                "test": shrink(self.data.test)})
+                "test": min(self.data.test, limit) if inference_only else shrink(self.data.test)})
+        elif limit is not None and inference_only and limit < self.data.test:
+            upd["data"] = self.data.model_copy(update={"test": limit})
         return self.model_copy(update=upd)
 
     def to_dict(self) -> dict[str, Any]:
