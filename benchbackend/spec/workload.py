@@ -106,6 +106,8 @@ class DataSpec(_Strict):
             return self
         if token_fields:
             raise ValueError(f"`{token_fields[0]}` is for dataset tokens or text")
+        if (self.order, self.branching) != (1, 4):
+            raise ValueError("`order` and `branching` are for dataset tokens (its Markov source)")
         if self.dataset in DATASETS:
             given = [f for f in ("input_shape", "num_classes", "path") if getattr(self, f) is not None]
             if given:
