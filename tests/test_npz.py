@@ -159,3 +159,32 @@ def test_a_file_that_is_not_an_npz_says_so(tmp_path, content, what):
     with pytest.raises(DataError) as err:
         data.load(workload.load(str(tmp_path / "mine.yaml")))
     assert f"mine.npz: not an .npz file ({what}); " in str(err.value) and "pickle" not in str(err.value)
+
+
+def _only_path(tmp_path: Path, arrs: dict, **data: object) -> Path:
+    np.savez(tmp_path / "mine.npz", **arrs)
+    raw = {"name": "mine", "model": MODEL, "training": {"optimizer": "sgd", "lr": 0.1, "batch_size": 8, "epochs": 1},
+           "data": {"dataset": "npz", "path": "mine.npz", **data}}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(raw))
+    return tmp_path / "mine.yaml"
+
+
+def test_an_npz_needs_only_its_path(tmp_path):
+    """Issue 41 item 11: `data: {dataset: npz, path: mine.npz}` was refused ("`data.train` is
+    required"); the file knows its sample shape, sizes and classes."""
+    w = workload.load(str(_only_path(tmp_path, arrays(n_train=40, n_test=10))))
+    d = w.data
+    assert (d.input_shape, d.num_classes, d.train, d.validation, d.test) == ((4, 5, 2), 3, 36, 4, 10)
+    ds = data.load(w)
+    assert (len(ds.y_train), len(ds.y_val), len(ds.y_test)) == (36, 4, 10)
+    with_val = dict(arrays(n_train=40, n_test=10), x_val=arrays(n_train=6)["x_train"], y_val=np.arange(6) % 3)
+    d = workload.load(str(_only_path(tmp_path, with_val))).data
+    assert (d.train, d.validation, d.test) == (40, 6, 10)
+    d = workload.load(str(_only_path(tmp_path, arrays(), train=20, num_classes=5))).data  # the YAML overrides
+    assert (d.train, d.num_classes, d.validation) == (20, 5, 4)
+    skipping = dict(arrays(), y_train=np.full(40, 2), y_test=np.zeros(10, int))  # label 1 never occurs
+    with pytest.raises(workload.WorkloadError, match=r"labels 0\.\.2 but 1 never occur: say `num_classes`"):
+        workload.load(str(_only_path(tmp_path, skipping)))
+    (tmp_path / "mine.npz").unlink()
+    with pytest.raises(workload.WorkloadError, match=r"mine\.npz: cannot read the \.npz for `input_shape`"):
+        workload.load(str(tmp_path / "mine.yaml"))

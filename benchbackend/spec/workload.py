@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from .. import paths
 from ..errors import WorkloadError
+from . import npz_defaults
 from .layers import (
     LAYER_CLASSES,
     LAYER_TYPES,
@@ -62,7 +63,8 @@ class DataSpec(_Strict):
     """Where the samples come from and how many. ``mnist``/``cifar10``: the canonical files (or
     generated stand-ins with ``--data synthetic``); ``synthetic``: generated, learnable data of
     ``input_shape`` and ``num_classes``; ``npz``: the user's arrays in ``path`` (``x_train``,
-    ``y_train``, ``x_test``, ``y_test``; optional ``x_val``, ``y_val``); ``tokens``: sequences of
+    ``y_train``, ``x_test``, ``y_test``; optional ``x_val``, ``y_val``), whose shapes and labels
+    give the fields the YAML leaves out (``npz_defaults.py``); ``tokens``: sequences of
     ``context`` token ids from a seeded Markov source over ``vocab`` ids (``data/tokens.py``), whose
     entropy is known exactly; a sample is ``context`` tokens, its labels the same sequence shifted
     by one (the next token at every position), and train/validation/test count sequences."""
@@ -460,6 +462,11 @@ def load(name_or_path: str) -> Workload:
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise WorkloadError(f"{path}:{where}: malformed YAML: {problem}") from None
+    if isinstance(raw, dict) and isinstance(raw.get("data"), dict):
+        try:
+            raw = dict(raw, data=npz_defaults.fill(raw["data"], path.parent))
+        except ValueError as exc:
+            raise WorkloadError(f"{path}: `data`: {exc}") from None
     w = parse(raw, str(path))
     if w.name != path.stem:
         raise WorkloadError(f"{path}: `name` must match the file name: expected {path.stem!r}; got {w.name!r}")
