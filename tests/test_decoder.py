@@ -3,7 +3,11 @@ blocks, tied dense layers, the new words an adapter must build), parameter and F
 shipped language models against their published figures and an independent formula, and the
 NumPy reference, which defines each convention: gradients against finite differences, and each
 trap of the issue shown to change the numbers (RoPE pairing and base, the causal mask, grouped
-key/value heads, RMSNorm's scale form, tied output, SwiGLU's gate and up)."""
+key/value heads, RMSNorm's scale form, tied output, SwiGLU's gate and up).
+
+Over 400 lines: the spec, the reference's conventions, the token data and text, and the checks of a
+language model are one feature; its tests share the tiny networks at the top.
+"""
 from __future__ import annotations
 
 import json
@@ -301,15 +305,15 @@ def test_every_decoder_convention_is_a_word_an_adapter_must_build() -> None:
 
 # --- token data and the checks of a language model ------------------------------------------------
 def test_token_sequences_are_the_sources_with_next_token_labels() -> None:
-    from benchbackend.data import datasets
+    from benchbackend.data import datasets, language
 
     w = workload.parse(nano_raw())
-    ds = datasets.token_sequences(w)
+    ds = language.token_sequences(w)
     assert ds.x_train.shape == (16, T) and ds.x_train.dtype == np.int32 and ds.y_train.dtype == np.int64
     assert (ds.x_val.shape, ds.x_test.shape) == ((4, T), (4, T))
     np.testing.assert_array_equal(ds.x_train[:, 1:], ds.y_train[:, :-1])  # the label at t is the token at t + 1
     assert 0 <= ds.x_train.min() and ds.y_train.max() < V
-    again = datasets.token_sequences(w)
+    again = language.token_sequences(w)
     np.testing.assert_array_equal(again.x_test, ds.x_test)
     assert not np.array_equal(ds.x_val, ds.x_test)  # each split its own stream
     assert datasets.normalize(ds.x_train).dtype == np.float32
@@ -414,11 +418,11 @@ def byte_lm(tmp_path: Any, vocab: int = 256) -> str:
 
 
 def test_text_is_cut_in_windows_by_position_train_first_validation_and_test_last(tmp_path: Any) -> None:
-    from benchbackend.data import datasets, tokens
+    from benchbackend.data import language, tokens
 
     w = workload.load(byte_lm(tmp_path)).with_overrides(text=str(STDLIB / "json"), limit=512)
     assert w.data.dataset == "text" and w.num_classes == 256 and w.next_token
-    ds = datasets.load(w)
+    ds = language.load(w)
     ids = tokens.byte_tokens(tokens.read_text(STDLIB / "json"))
     n = (len(ids) - 1) // 32
     np.testing.assert_array_equal(ds.x_train[1], ids[32:64])  # window 1, from the start
@@ -426,7 +430,7 @@ def test_text_is_cut_in_windows_by_position_train_first_validation_and_test_last
     np.testing.assert_array_equal(ds.x_test[-1], ids[(n - 1) * 32:n * 32])  # the last whole window
     np.testing.assert_array_equal(ds.x_val[0], ids[(n - 96) * 32:(n - 95) * 32])
     assert (len(ds.x_train), len(ds.x_val), len(ds.x_test)) == (512, 64, 32) and ds.source == "text"
-    bpe = datasets.load(workload.load(byte_lm(tmp_path, vocab=320)).with_overrides(text=str(STDLIB / "json"),
+    bpe = language.load(workload.load(byte_lm(tmp_path, vocab=320)).with_overrides(text=str(STDLIB / "json"),
                                                                                    limit=512))
     assert 255 < bpe.x_train.max() < 320  # merges in use, every id inside the vocabulary
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional
 import numpy as np
 
 from . import datasets as data
+from . import language
 
 if TYPE_CHECKING:
     from ..spec.workload import Workload
@@ -48,7 +49,7 @@ def prepare(workload: "Workload", source: str, data_dir: Optional[Path], path: P
             progress: Optional[Any] = None) -> Prepared:
     """Load the workload's data (``data.load``: real, synthetic or the user's), draw its epoch
     orders and write both to the .npz ``path``, which every backend's worker reads."""
-    ds = data.load(workload, source, data_dir, progress=progress)
+    ds = language.load(workload) if workload.next_token else data.load(workload, source, data_dir, progress=progress)
     arrays = of(workload, ds)
     np.savez(path, **arrays)
     return Prepared(ds.source, checksum(arrays), (len(ds.y_train), len(ds.y_val), len(ds.y_test)))

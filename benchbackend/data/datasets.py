@@ -100,13 +100,10 @@ def load(workload: Workload, source: str = "auto", data_dir: Optional[Path] = No
     ones (sha256-checked); ``"auto"`` reads them only if all are present and otherwise raises
     (no download, no silent switch to synthetic); ``"synthetic"`` generates data (no files).
     A workload of ``dataset: synthetic`` is always generated; one of ``dataset: npz`` reads its
-    ``path`` (``auto`` and ``real`` alike).
+    ``path`` (``auto`` and ``real`` alike). A language model's (``tokens``, ``text``) is
+    ``language.load``'s.
     """
     name = workload.data.dataset
-    if name == "tokens":  # generated whatever the source: the Markov source is the dataset
-        return token_sequences(workload)
-    if name == "text":
-        return text_sequences(workload)
     if source == "synthetic" or name == "synthetic":
         return synthetic(workload)
     if source not in ("auto", "real"):
@@ -335,53 +332,6 @@ def synthetic(workload: Workload) -> Dataset:
     parts = generate(workload.seed, workload.input_shape, workload.num_classes,
                      {"train": spec.train, "val": spec.validation, "test": spec.test})
     return Dataset(*parts["train"], *parts["val"], *parts["test"], source="synthetic")
-
-
-def token_sequences(workload: Workload) -> Dataset:
-    """``dataset: tokens``: sequences of the workload's Markov source (``data/tokens.py``), one
-    stream per split, each of ``context + 1`` tokens: x the first ``context`` (int32), the labels
-    the same sequence shifted by one (int64, the next token at every position)."""
-    from .tokens import MarkovSource
-
-    spec = workload.data
-    source = MarkovSource(spec.vocab, spec.order, spec.branching, workload.seed)
-    parts = []
-    for stream, n in enumerate((spec.train, spec.validation, spec.test)):
-        seq = source.sample(n, spec.context + 1, stream)
-        parts += [np.ascontiguousarray(seq[:, :-1], np.int32), np.ascontiguousarray(seq[:, 1:], np.int64)]
-    return Dataset(*parts, source="synthetic")
-
-
-def text_sequences(workload: Workload) -> Dataset:
-    """``dataset: text``: the UTF-8 file or folder in ``path`` as token ids (its bytes at ``vocab``
-    256; a byte-level BPE of ``vocab`` ids trained on it otherwise), cut into windows of ``context``
-    tokens whose labels are shifted by one. Split by position: the training windows from the start
-    (so ``--limit`` takes a prefix), validation and test from the end, test last. Raises
-    ``DataError`` (one line naming the path) when the text is missing or too short."""
-    from . import tokens
-
-    spec = workload.data
-    try:
-        text = tokens.read_text(spec.path)
-        if workload.num_classes == 256:
-            ids = tokens.byte_tokens(text)
-        else:
-            ids = tokens.bpe_tokens(text, workload.num_classes, seed=workload.seed)[0]
-    except ImportError as exc:
-        raise DataError(f"{spec.path}: {exc}") from None
-    except ValueError as exc:
-        raise DataError(str(exc)) from None
-    n = max((len(ids) - 1) // spec.context, 0)
-    need = spec.train + spec.validation + spec.test
-    if n < need:
-        raise DataError(f"{spec.path}: {len(ids):,} tokens make {n:,} windows of {spec.context}; the workload needs "
-                        f"train {spec.train} + validation {spec.validation} + test {spec.test} = {need:,} "
-                        "(use --limit, or more text)")
-    x, y = tokens.windows(ids, spec.context)
-    x, y = x.astype(np.int32), y.astype(np.int64)
-    val, test = slice(n - spec.test - spec.validation, n - spec.test), slice(n - spec.test, n)
-    return Dataset(x[:spec.train].copy(), y[:spec.train].copy(), x[val].copy(), y[val].copy(), x[test].copy(),
-                   y[test].copy(), source="text")
 
 
 # --- helpers for training ----------------------------------------------------------------------

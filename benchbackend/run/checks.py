@@ -109,7 +109,7 @@ _TEXT_UNIGRAM: dict[str, float] = {}  # by workload hash: a text is tokenized on
 
 
 def _text_unigram(workload: Any) -> float:
-    from ..data.datasets import text_sequences
+    from ..data.language import text_sequences
     from ..data.tokens import unigram_entropy
 
     key = workload.hash()
