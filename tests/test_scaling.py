@@ -121,3 +121,22 @@ def test_two_weak_replicas_train_twice_the_batch_and_match_the_reference_there(t
     epoch = next(r for r in rows if r["phase"] == "train_epoch")
     assert epoch["steps"] == 3  # 96 samples in global batches of 2 x 16
     assert epoch["comm_s"] > 0  # DDP's comm hook timed the all-reduces
+
+
+def test_the_html_report_carries_the_scaling_table_compare_prints(tmp_path):
+    """Issue 41 item 4: the page showed efficiency only in a figure's legend; comm share and ring MB
+    never appeared."""
+    import re
+
+    from benchbackend.analysis import page
+
+    csv = _csv(tmp_path)
+    out = compare.run_compare([str(csv)])
+    html = page.summary_html(out.groups)
+    part = html.split("<h4>Scaling</h4>")[1].split("</table>")[0]
+    cells = [re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row) for row in re.findall(r"<tr>(.*?)</tr>", part, re.S)]
+    assert cells[0][-3:] == ["comm share", "grad MB", "ring MB/step"]
+    text_rows = out.text.split("\nScaling\n")[1]
+    for row in cells[1:]:  # every figure the terminal prints, in the page too
+        assert row[5] in text_rows and row[6] in text_rows and row[8] in text_rows, row
+    assert len(cells) == 4 and "Scaling efficiency = throughput_N" in html

@@ -11,7 +11,7 @@ from typing import Optional
 
 import pandas as pd
 
-from . import tables
+from . import scaling, tables
 from .experiments import context_name, with_experiment
 
 _STYLE = ("body{font-family:system-ui,sans-serif;max-width:1250px;margin:2em auto;padding:0 1em}"
@@ -60,6 +60,11 @@ def summary_html(groups: pd.DataFrame, metric: str = "epoch-time") -> str:
         if timed_infer or not len(trains):
             head, rows = tables._infer_rows(frame)
             parts += ["<h4>Inference</h4>", table(head, rows, _numeric(head))]
+        scaled = scaling.rows(frame) if "replicas" in frame else None
+        if scaled is not None:  # what compare prints: efficiency, comm share, gradient and ring MB
+            head, rows = scaled
+            parts += ["<h4>Scaling</h4>", f"<p>{_esc(scaling.SCALING_LINE)}</p>",
+                      table(head, rows, set(range(4, len(head))))]
         parts += [f"<p>{_esc(line)}</p>" for line in tables._fastest_line(frame, metric).splitlines()]
     return "\n".join(parts)
 
