@@ -508,3 +508,29 @@ def test_a_run_stopped_after_its_first_epoch_says_so_not_one_epoch(tmp_path: Pat
     one = _write(tmp_path / "one.csv", epochs=1, backends={"numpy": (2.0, "ok")})
     one["epochs"] = 1
     assert "(one epoch:" in plots.epoch_time_figure(_context(one), "t").axes[0].get_title().replace("\n", " ")
+
+
+def test_the_baseline_line_sits_on_its_box_and_the_curves_are_medians(tmp_path: Path) -> None:
+    """Issue 41 item 10: the dashed baseline line (the median of the repeats' medians, what the
+    verdicts use) did not sit on its box's median (the pooled passes'), and the curves drew means
+    where every table uses medians."""
+    df = _write(tmp_path / "r.csv", backends={"numpy": (1.0, "ok"), "torch": (2.0, "ok")})
+    # torch's steady passes per repeat: [1, 2, 9], [3, 4, 5], [6, 7, 8]: the medians' median is 4,
+    # the pooled passes' median 5
+    steady = (df["phase"] == "inference") & (df["backend"] == "torch") & (df["pass"] > 1)
+    df.loc[steady, "seconds"] = [1.0, 2, 9, 3, 4, 5, 6, 7, 8]  # rows in repeat, then pass order
+    groups = _context(df, "torch")
+    ax = plots.inference_figure(df[df["phase"] == "inference"], groups, "t").axes[0]
+    line = next(ln for ln in ax.lines if ln.get_gid() == plots.BASELINE_GID)
+    medians = [ln for ln in ax.lines if ln.get_gid() != plots.BASELINE_GID and len(ln.get_ydata()) == 2
+               and ln.get_color() == "black" and ln.get_ydata()[0] == ln.get_ydata()[1]]
+    torch = groups.reset_index()["backend"].tolist().index("torch")
+    assert math.isclose(line.get_ydata()[0], groups["infer_s"].iloc[torch]) and groups["infer_s"].iloc[torch] == 4
+    assert any(math.isclose(m.get_ydata()[0], line.get_ydata()[0]) for m in medians)
+    # curves: three repeats whose losses at epoch 1 are 1, 2 and 9 draw 2 (their mean would be 4)
+    train = df[df["phase"] == "train_epoch"].copy()
+    first = (train["epoch"] == 1) & (train["backend"] == "numpy")
+    train.loc[first, "loss"] = train.loc[first, "repeat"].map({1: 1.0, 2: 2.0, 3: 9.0})
+    loss_ax = plots.curves_figure(train, _context(df), "t").axes[0]
+    numpy_line = next(ln for ln in loss_ax.lines if ln.get_label() == "numpy")
+    assert numpy_line.get_ydata()[0] == 2.0

@@ -138,3 +138,12 @@ def test_the_summary_says_a_cell_stopped_after_an_epoch_rather_than_having_one()
     assert f"epoch 1.000s (stopped after epoch 3 of {epochs})" in later
     whole = progress.summary_line(CellResult(cell, "cpu", "ok", "", [1.5] * epochs))
     assert "epoch 1.500s " in whole and "stopped" not in whole
+
+
+def test_a_batchnorm_networks_second_parity_line_says_it_is_the_training_mode() -> None:
+    """Issue 41 item 10: two unlabelled 'parity vs NumPy reference' lines."""
+    w = workload.load("resnet8")
+    row = {"phase": "parity", "parity_max_abs": 1e-7, "parity_max_rel": 2e-7}
+    assert progress.row_line(row, w, []).startswith("parity vs NumPy reference: max abs")
+    trained = progress.row_line(dict(row, notes="training mode (batch statistics)"), w, [])
+    assert trained.startswith("parity vs NumPy reference (training mode (batch statistics)): max abs 1e-07")

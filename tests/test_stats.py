@@ -242,3 +242,13 @@ def test_student_t_without_scipy_agrees_with_scipy(df: float, t: float, p: float
 
     assert stats.t_cdf(t, df) == pytest.approx(float(stdtr(df, t)), abs=1e-9)
     assert stats.t_quantile(p, df) == pytest.approx(float(stdtrit(df, p)), rel=1e-9, abs=1e-9)
+
+
+def test_a_slowdown_is_also_said_as_its_inverse() -> None:
+    """Issue 41 item 10: 0.361x reads as '2.77x slower' beside the ratio; a speed-up is not inverted."""
+    from benchbackend.analysis import tables
+
+    slow = stats.Ratio(ratio=0.361, low=0.33, high=0.395, pvalue=0.001, significant=True, testable=True)
+    assert tables.ratio_text(slow) == "slower: 0.361x [0.330-0.395] (2.77x slower)"
+    fast = stats.Ratio(ratio=1.85, low=1.6, high=2.1, pvalue=0.001, significant=True, testable=True)
+    assert tables.ratio_text(fast) == "faster: 1.85x [1.60-2.10]"

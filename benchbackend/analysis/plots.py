@@ -210,8 +210,9 @@ def throughput_figure(groups: pd.DataFrame, title: str) -> "Figure":
 def inference_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str,
                      samples: Optional[float] = None) -> "Figure":
     """Box plot (with every pass as a point) of the steady inference time per backend: passes
-    after each repeat's first. Under each box: its first pass (tracing, compilation, first copies;
-    apart, so that it does not squash the scale) and its verdict against the baseline; the
+    after each repeat's first; the box's middle line is the median of the repeats' medians (what
+    the tables and verdicts use). Under each box: its first pass (tracing, compilation, first
+    copies; apart, so that it does not squash the scale) and its verdict against the baseline; the
     baseline's median is a dashed line.
 
     ``df``: inference rows of one experiment and device (of the repeats that count); ``samples``:
@@ -227,8 +228,13 @@ def inference_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str,
     firsts = groups["infer_first_s"]  # summary's: which row is the first pass is its to know
     data = [by_group.get(k, np.array([])) for k in keys]
     st = list(groups["status"])
+    # The line across a box is the statistic every table and verdict uses, the median of the
+    # repeats' medians (the baseline's dashed line sits on its box's), not the median of the pooled
+    # passes the quartiles show.
+    medians = [float(v) if math.isfinite(v) else None for v in groups["infer_s"].to_numpy(dtype=float)]
     box = ax.boxplot(data, positions=np.arange(len(keys)), widths=0.55, patch_artist=True,
-                     showfliers=False, medianprops={"color": "black"})
+                     showfliers=False, medianprops={"color": "black"},
+                     usermedians=[m if len(d) else None for m, d in zip(medians, data)])
     rng = np.random.default_rng(0)
     tops = [float(np.max(v)) if len(v) else 0.0 for v in data]
     palette = colors(keys)
@@ -261,13 +267,14 @@ def inference_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str,
 
 
 def _per_epoch(train: pd.DataFrame, col: str) -> pd.DataFrame:
+    """Per epoch over the repeats: the median (as the tables use), and the min-max band."""
     values = train[col].where(np.isfinite(train[col]))
-    return values.groupby(train["epoch"]).agg(["mean", "min", "max"])
+    return values.groupby(train["epoch"]).agg(["median", "min", "max"])
 
 
 def curves_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str) -> "Figure":
-    """Training loss and validation accuracy per epoch per backend: mean over repeats with a
-    min-max band. ``df``: train_epoch rows of one experiment and device. Each backend has its own
+    """Training loss and validation accuracy per epoch per backend: the median over repeats (as
+    the tables use) with a min-max band. ``df``: train_epoch rows of one experiment and device. Each backend has its own
     colour, marker and line style (backends that agree draw identical curves: the hollow markers
     of decreasing size keep each visible); failed backends are dotted and labelled with their
     status, and a red x marks where their loss stopped being finite. ``groups``: the summary rows
@@ -288,11 +295,11 @@ def curves_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str) -> "Figure
         name = names[key] + ("" if status == "ok" else f" [{status}]")
         for ax, col in ((loss_ax, "loss"), (acc_ax, "val_accuracy")):
             agg = _per_epoch(train, col)
-            ax.plot(agg.index, agg["mean"], label=name if ax is loss_ax else None, **style)
+            ax.plot(agg.index, agg["median"], label=name if ax is loss_ax else None, **style)
             ax.fill_between(agg.index, agg["min"], agg["max"], color=style["color"], alpha=0.15, linewidth=0)
         bad = train.loc[~np.isfinite(train["loss"]), "epoch"]
         if len(bad):
-            finite = _per_epoch(train, "loss")["mean"].dropna()
+            finite = _per_epoch(train, "loss")["median"].dropna()
             y = finite.iloc[-1] if len(finite) else 0.0
             loss_ax.plot([bad.min()], [y], marker="x", color=FAILED_COLOR, markersize=11, markeredgewidth=2.5,
                          linestyle="none", label=None if marked else "loss no longer finite")
@@ -314,7 +321,7 @@ def curves_figure(df: pd.DataFrame, groups: pd.DataFrame, title: str) -> "Figure
         else:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    fig.suptitle(wrap(title + ": training curves (mean over repeats, band: min-max)", 10.0), fontsize=11)
+    fig.suptitle(wrap(title + ": training curves (median over repeats, band: min-max)", 10.0), fontsize=11)
     fig.legend(loc="outside lower center", ncols=min(len(keys) + 1, 5), fontsize=9, frameon=False)
     return fig
 

@@ -97,7 +97,7 @@ def _context_figures(df: pd.DataFrame, timed: pd.DataFrame, ctx: tuple, frame: p
                              "the legend gives each N's scaling efficiency throughput_N / (N x throughput_1) with "
                              f"its 95% interval; dotted: perfect scaling. {_FAILED}"))
         out.append(Drawn(f"{stem}-curves", plots.curves_figure(train, frame, where),
-                         f"Training loss and validation accuracy per epoch on {where}: the mean over repeats, the "
+                         f"Training loss and validation accuracy per epoch on {where}: the median over repeats, the "
                          "band spans their min to max. Backends that agree draw the same curve: hollow markers of "
                          "different sizes keep each visible. Dotted: failed; a red x: the loss stopped being finite."))
     if len(rows[rows["phase"] == "inference"]):

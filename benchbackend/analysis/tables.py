@@ -99,7 +99,8 @@ def _bounds(ratio: float, low: float, high: float) -> tuple[str, str, str]:
 
 
 def ratio_text(r: Ratio) -> str:
-    """``faster: 1.85x [1.60-2.10]``: the verdict, the speed-up and its 95% interval, all from
+    """``faster: 1.85x [1.60-2.10]``, ``slower: 0.361x [0.330-0.395] (2.77x slower)``: the verdict,
+    the speed-up and its 95% interval (a slowdown also as its inverse), all from
     one rule, so that a verdict and its interval always point the same way. An interval too wide
     to read (``Ratio.too_wide``) is not printed as if it bounded anything: the withheld verdict
     says why (``unstable: 1.23x (95% CI spans over 1000x)``)."""
@@ -111,7 +112,9 @@ def ratio_text(r: Ratio) -> str:
     if r.too_wide:
         return f"{verdict}: {_fixed(r.ratio)}x (95% CI spans over {WIDE_SPAN:g}x)"
     ratio, low, high = _bounds(r.ratio, r.low, r.high)
-    return f"{verdict}: {ratio}x [{low}-{high}]"
+    # A speed-up below 1 is read more easily as its inverse: 0.361x is 2.77x slower.
+    inverse = f" ({_fixed(1 / r.ratio)}x slower)" if verdict == "slower" and 0 < r.ratio < 1 else ""
+    return f"{verdict}: {ratio}x [{low}-{high}]{inverse}"
 
 
 def convention(baseline: str = "baseline", metric: str = "epoch-time") -> str:

@@ -239,8 +239,9 @@ def row_line(row: dict[str, Any], workload: Any, inference_seconds: list[float])
         return f"tuned in {row['seconds']:.1f}s: {row.get('notes')}"
     if phase == "parity" and row.get("steps"):
         return f"trajectory: {row.get('notes')}"
-    if phase == "parity":
-        return (f"parity vs NumPy reference: max abs {row['parity_max_abs']:.2g}, "
+    if phase == "parity":  # the second forward check of a batchnorm network is its training mode: say so
+        mode = f" ({row['notes']})" if row.get("notes") else ""
+        return (f"parity vs NumPy reference{mode}: max abs {row['parity_max_abs']:.2g}, "
                 f"max rel {row['parity_max_rel']:.2g}")
     if phase == "inference" and len(inference_seconds) == workload.inference.repeats:
         steady = inference_seconds[1:] or inference_seconds
