@@ -5,6 +5,9 @@ Exit codes: 0 success; 1 a check failed (or a cell crashed, timed out, was unava
 --fail-on-regression``: a candidate is significantly slower than the baseline by more than the
 factor; 4 ``compare --fail-on-regression``: a candidate is not ok (crashed, NaN loss, ...); 130 Ctrl-C; 143 SIGTERM.
 No ML framework is imported here.
+
+Over 400 lines: ``run``'s options are the matrix's every dimension and knob, each with its help
+text, and click declares them beside the function; the work itself is the library's.
 """
 from __future__ import annotations
 
@@ -64,8 +67,8 @@ def main() -> None:
               help="fp32 (default), tf32 (NVIDIA Ampere or newer), bf16, fp16, fp64 (repeatable); a backend "
                    "or device without it gets an `unavailable` row.")
 @click.option("--replicas", "replica_counts", multiple=True, type=click.IntRange(1), metavar="N",
-              help="Data-parallel replicas (repeatable, default 1): the global batch split over N (README \"Data "
-                   "parallel\"); a backend without it gets an `unavailable` row. On a CPU the cores are split.")
+              help="Data-parallel replicas (repeatable, default 1): the global batch split over N (docs/clusters.md, "
+                   "\"Data parallel\"); a backend without it gets an `unavailable` row. On a CPU the cores are split.")
 @click.option("--scale-lr", type=click.Choice(["none", "linear"]), default="none", show_default=True,
               help="linear: the learning rate times N for N replicas (recorded in `scale_lr`); none: the workload's.")
 @click.option("--scaling", type=click.Choice(["strong", "weak"]), default="strong", show_default=True,
@@ -372,26 +375,63 @@ def entry() -> None:
         raise
 
 
+#: The checkout's root, where ``schema --update`` without a FILE finds the pages that hold the references.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+
+
 @main.command()
-@click.option("--update", "readme", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE",
-              help="Rewrite the references between FILE's marker comments (README.md) instead of printing one.")
+@click.option("--update", "files", multiple=True, is_flag=False, flag_value="", metavar="[FILE]",
+              help="Rewrite the generated references between FILE's marker comments instead of printing one: "
+                   "the workload reference, the CSV column reference, or both, whichever FILE holds; repeatable. "
+                   "Without FILE: this checkout's docs/workloads.md and docs/results.md.")
 @click.option("--columns", "csv_columns", is_flag=True,
               help="Print the results CSV's column reference instead of the workload's.")
-def schema(readme: Optional[Path], csv_columns: bool) -> None:
+def schema(files: tuple[str, ...], csv_columns: bool) -> None:
     """Print the workload YAML reference as Markdown: every field with its type, default, allowed
-    values and meaning, generated from the validation models (README.md holds this text); with
-    --columns, the results CSV's columns, generated from their one declaration."""
+    values and meaning, generated from the validation models (docs/workloads.md holds this text); with
+    --columns, the results CSV's columns, generated from their one declaration (docs/results.md)."""
     from . import columns
     from .spec import schema as reference
 
-    if readme is None:
+    if not files:
         click.echo((columns if csv_columns else reference).markdown(), nl=False)
         return
-    try:
-        text = reference.replace_block(readme.read_text(encoding="utf-8"))
-        readme.write_text(columns.replace_block(text) if columns.BEGIN in text else text, encoding="utf-8")
-    except ValueError as exc:
-        raise UsageFailure(f"{readme}: {exc}") from None
-    except OSError as exc:
-        raise UsageFailure(f"{readme}: cannot write: {exc.strerror}") from None
-    _err(f"updated the workload and column references in {readme}")
+    paths: list[Path] = []
+    for name in files:
+        if name:
+            paths.append(Path(name))
+            continue
+        pages = [_CHECKOUT / reference.PAGE, _CHECKOUT / columns.PAGE]
+        missing = [str(p) for p in pages if not p.is_file()]
+        if missing:
+            raise UsageFailure(f"{', '.join(missing)}: not found (benchbackend is not run from a checkout): "
+                               "name the file, `--update FILE`")
+        paths += [p for p in pages if p not in paths]
+    new: list[tuple[Path, str, list[str]]] = []  # every file is checked before any is written
+    for path in paths:
+        if not path.is_file():
+            raise UsageFailure(f"{path}: no such file")
+        try:
+            text = path.read_text(encoding="utf-8")
+            updated = []
+            if reference.BEGIN in text:
+                text = reference.replace_block(text)
+                updated.append("workload reference")
+            if columns.holds_block(text):
+                text = columns.replace_block(text)
+                updated.append("column reference")
+            if not updated:
+                raise ValueError(f"the markers are missing: put {reference.BEGIN!r} and {reference.END!r} where the "
+                                 f"workload reference goes, or {columns.BEGIN!r} and {columns.END!r} where the column "
+                                 "reference goes")
+        except ValueError as exc:
+            raise UsageFailure(f"{path}: {exc}") from None
+        except OSError as exc:
+            raise UsageFailure(f"{path}: cannot read: {exc.strerror}") from None
+        new.append((path, text, updated))
+    for path, text, updated in new:
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise UsageFailure(f"{path}: cannot write: {exc.strerror}") from None
+        _err(f"updated the {' and the '.join(updated)} in {path}")

@@ -1,6 +1,6 @@
 """The results CSV's columns, declared once: each one's name, type, unit, meaning and the schema
 version that added it. ``results`` derives its column order and numeric columns from here, and
-the README's column reference is generated from it (``benchbackend schema --update README.md``;
+the column reference in ``docs/results.md`` is generated from it (``benchbackend schema --update``;
 ``tests/test_schema_doc.py`` fails on drift). Imports nothing: a leaf every room may read.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ DECLARED: tuple[Column, ...] = (
     _c("accuracy", N, "the epoch's training accuracy, or an inference pass's on the test set"),
     _c("val_loss", N, "the validation loss after the epoch, outside the clock"),
     _c("val_accuracy", N, "the validation accuracy after the epoch, outside the clock"),
-    _c("status", T, "the cell's final status on every row (README \"Checks and statuses\")"),
+    _c("status", T, "the cell's final status on every row (docs/results.md \"Checks and statuses\")"),
     _c("message", T, "a failure's reason, on the `run` row"),
     _c("host", T, "the machine that measured the row (a Ray node's own)"),
     _c("os", T, "its operating system"),
@@ -106,7 +106,7 @@ DECLARED: tuple[Column, ...] = (
     _c("comm_s", N, "a data-parallel epoch's seconds in gradient communication, where the engine exposes them",
        "s", 8),
     _c("foreign_cpu_share", N, "the share of the cell's cores (threads x replicas) that other processes held "
-                               "during a timed region, 0 to 1 (README \"Trust\")", version=9),
+                               "during a timed region, 0 to 1 (docs/results.md \"Trust\")", version=9),
     _c("throttle_events", N, "thermal throttling events during a timed region, where the kernel counts them",
        version=9),
     _c("load_avg", N, "the 1-minute load average as the cell started", version=9),
@@ -117,12 +117,17 @@ DECLARED: tuple[Column, ...] = (
                           "other networks", "tokens/s", 10),
 )
 
-BEGIN = "<!-- BEGIN column reference (generated: benchbackend schema --update README.md) -->"
+#: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).
+PAGE = "docs/results.md"
+BEGIN = f"<!-- BEGIN column reference (generated: benchbackend schema --update {PAGE}) -->"
 END = "<!-- END column reference -->"
+#: How every version of the begin marker starts (it named README.md before the reference moved to ``PAGE``),
+#: so that a stale marker is found and rewritten rather than missed.
+_BEGIN_PREFIX = "<!-- BEGIN column reference"
 
 
 def markdown() -> str:
-    """The README's column reference: one table row per declared column."""
+    """The column reference (``PAGE``): one table row per declared column."""
     rows = ["| column | schema | type | unit | meaning |", "| --- | --- | --- | --- | --- |"]
     for c in DECLARED:
         rows.append(f"| `{c.name}` | {c.version} | {c.kind} | {c.unit} | {c.meaning} |")
@@ -133,14 +138,20 @@ def block() -> str:
     return f"{BEGIN}\n{markdown()}{END}"
 
 
+def holds_block(text: str) -> bool:
+    """Whether ``text`` has the column reference's begin marker (any version of it)."""
+    return _BEGIN_PREFIX in text
+
+
 def replace_block(text: str) -> str:
     """``text`` with the generated reference between the markers (ValueError when they are missing)."""
-    start, end = text.find(BEGIN), text.find(END)
+    start, end = text.find(_BEGIN_PREFIX), text.find(END)
     if not 0 <= start < end:
         raise ValueError(f"the markers are missing: put {BEGIN!r} and {END!r} where the column reference goes")
     return text[:start] + block() + text[end + len(END):]
 
 
 def current_block(text: str) -> str:
-    start, end = text.find(BEGIN), text.find(END)
+    """The column reference block that ``text`` holds now ("" when it has none)."""
+    start, end = text.find(_BEGIN_PREFIX), text.find(END)
     return text[start:end + len(END)] if 0 <= start < end else ""

@@ -91,9 +91,18 @@ def test_plaidml_before_setup_says_to_run_setup(tmp_path, monkeypatch):
 
 
 def test_ci_runs_exactly_the_readme_test_command():
+    """The README's quick start gives CI's command byte for byte, as a line of its own (`.ci/run`'s
+    last line), and before it a new user's quick loop: an install and `pytest -m "not slow"`, a
+    marker pyproject.toml declares."""
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert "pytest" in ci
-    assert ci in (ROOT / "README.md").read_text()
+    assert "pytest" in ci and "BENCHBACKEND_REQUIRE_ALL=1" in ci
+    quick = (ROOT / "README.md").read_text().split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    lines = quick.splitlines()
+    assert ci in lines
+    fast = [ln for ln in lines if 'pytest -q -m "not slow"' in ln]
+    assert len(fast) == 1 and "pip install -e '.[" in fast[0] and "test]'" in fast[0]
+    assert lines.index(fast[0]) < lines.index(ci)
+    assert '"slow: ' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_missing_real_data_is_one_line_naming_files_and_the_synthetic_alternative(tmp_path):
