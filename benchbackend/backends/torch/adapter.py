@@ -98,6 +98,10 @@ class TorchBackend(Backend):
         if self.options.threads:
             torch.set_num_threads(self.options.threads)
         self.device = cuda_device(device, self.name)
+        if self.options.replicas > 1 and workload.next_token:
+            # The DDP engine (replicas.py) counts one prediction per sample; not built for tokens yet.
+            raise BackendUnavailable("torch: --replicas with a language model (next-token training) is not built "
+                                     "yet; run it with one replica")
         if precision not in _AMP:
             raise BackendUnavailable(f"torch: precision '{precision}' is not supported; use fp32, tf32, bf16 or fp16")
         self.math = set_math(self.device, precision, self.name)
@@ -185,7 +189,9 @@ class TorchBackend(Backend):
     # --- model ------------------------------------------------------------------------------
     def build(self, weights: Sequence[np.ndarray]) -> int:
         if self.net is None:
-            self.net = GraphNet(resolve(self.workload), self.fused_attention).to(self.device)
+            graph = resolve(self.workload)
+            self.out_shape = graph.output.out_shape  # (classes,), or (T, vocab) for a language model
+            self.net = GraphNet(graph, self.fused_attention).to(self.device)
             if self.channels_last:
                 self.net = self.net.to(memory_format=torch.channels_last)
             self.model: nn.Module = self.net
@@ -226,8 +232,9 @@ class TorchBackend(Backend):
         return count(self.net)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy from the logits (autocast computes it in float32), plus the L2 penalty."""
-        loss = F.cross_entropy(logits, labels)
+        """Cross-entropy from the logits (autocast computes it in float32), plus the L2 penalty; for
+        a language model (logits (N, T, vocab), labels (N, T)) the mean over every position."""
+        loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
         if self.l2:
             loss = loss + self.l2 * sum((k * k).sum() for k in self.kernels)
         return loss
@@ -285,6 +292,8 @@ class TorchBackend(Backend):
         return self.device if self.data_on_device else torch.device("cpu")
 
     def to_device(self, x: np.ndarray) -> torch.Tensor:
+        if x.ndim != 4:  # token ids (N, T) as float32 whole numbers (the embedding casts them), or features
+            return torch.from_numpy(np.ascontiguousarray(x)).to(self._held())
         if self.channels_last:  # NHWC memory seen as NCHW: channels_last already, no copy
             return torch.from_numpy(np.ascontiguousarray(x)).permute(0, 3, 1, 2).to(self._held())
         return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).to(self._held())
@@ -310,23 +319,23 @@ class TorchBackend(Backend):
                 loss = self._loss(logits, yb)
             self._backward_step(loss)
             losses.append(loss.detach())
-            preds.append(logits.detach().argmax(1))
+            preds.append(logits.detach().argmax(-1))  # a class per sample, or per position of a sequence
         n = len(idx)
         sizes = torch.tensor([len(p) for p in preds], dtype=torch.float32, device=self.device)
-        loss_sum = (torch.stack(losses) * sizes).sum()
+        loss_sum = (torch.stack(losses) * sizes).sum()  # a batch's loss is its mean over samples (positions)
         correct = (torch.cat(preds) == y).sum()
-        return loss_sum / n, correct / n  # device scalars: the worker fetches them and syncs
+        return loss_sum / n, correct / max(y.numel(), 1)  # device scalars: the worker fetches them and syncs
 
     @torch.no_grad()
     def scores(self, x: torch.Tensor, batch_size: int) -> torch.Tensor:
         assert self.net is not None
         self.net.eval()
         if not len(x):
-            return torch.zeros((0, self.workload.num_classes), device=self.device)
+            return torch.zeros((0, *self.out_shape), device=self.device)
         with self._autocast():
             logits = torch.cat([self.model(x[s:s + batch_size].to(self.device))
                                 for s in range(0, len(x), batch_size)])
-        return torch.softmax(logits.float(), dim=1)
+        return torch.softmax(logits.float(), dim=-1)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         assert self.net is not None
@@ -353,4 +362,4 @@ class TorchBackend(Backend):
                 logits = self.model(x.to(self.device))
         finally:
             self.net.set_mode(dropout=True, update_statistics=True)
-        return torch.softmax(logits.float(), dim=1)
+        return torch.softmax(logits.float(), dim=-1)

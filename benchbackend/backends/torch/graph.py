@@ -9,6 +9,8 @@ Where torch's defaults differ from the NumPy reference's conventions, this modul
   (``nn.BatchNorm2d`` updates it with the unbiased one); the epsilon comes from the spec;
 - dropout that the trajectory check can switch off while batchnorm stays in training mode;
 - a softmax over the channels: axis 1 of an NCHW image, the last axis of a flat vector or a token sequence;
+- a dense layer ``tied_to`` an embedding reads the embedding's own table parameter (``tt.TiedDense``):
+  one array, so both uses' gradients sum in it; ``multiply`` is the elementwise product of its inputs;
 - the transformer layers: ``torch_transformer``.
 """
 from __future__ import annotations
@@ -32,12 +34,13 @@ from ...spec.layers import (
     Flatten,
     GlobalAvgPool,
     MaxPool2D,
+    Multiply,
     gelu_approximate,
 )
 from ...spec.model import kernel_mask
 from . import transformer as tt
 
-_ACT = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
+_ACT = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "silu": nn.SiLU}
 
 
 def activation(name: str, node: Optional[Node] = None) -> nn.Module:
@@ -125,12 +128,14 @@ def node_module(node: Node, last: bool, fused_attention: bool = False) -> nn.Mod
         return _window(node, lambda pad: nn.MaxPool2d(layer.pool_size, stride, pad), float("-inf"))
     if isinstance(layer, TOKEN_LAYERS):
         return _token_module(node, fused_attention)
+    if isinstance(layer, Dense) and node.tied is not None:  # the kernel is an embedding's table
+        return nn.Sequential(tt.TiedDense(layer.units, layer.use_bias), act)
     if isinstance(layer, Dense):  # on features (N, F), or on the last axis of tokens (N, T, d)
-        return nn.Sequential(nn.Linear(node.in_shape[-1], layer.units), act)
+        return nn.Sequential(nn.Linear(node.in_shape[-1], layer.units, bias=layer.use_bias), act)
     if isinstance(layer, BatchNorm):
         norm: nn.Module = BatchNormKeras(node.in_shape[-1], layer.momentum, layer.epsilon)
         return nn.Sequential(tt.TokenChannels(norm) if len(node.in_shape) == 2 else norm, act)
-    if isinstance(layer, Add):
+    if isinstance(layer, (Add, Multiply)):
         return act
     if isinstance(layer, GlobalAvgPool):
         return _GlobalAvgPool(dims=(1,) if len(node.in_shape) == 2 else (2, 3))  # over tokens, or pixels
@@ -149,7 +154,13 @@ def _token_module(node: Node, fused_attention: bool) -> nn.Module:
         norm = tt.layernorm(shape[-1], layer.epsilon)
         return tt.ImageLayerNorm(norm) if len(shape) == 3 else norm
     if isinstance(layer, layers.Attention):
-        return tt.Attention(shape[-1], layer.heads, layer.head_dim, fused_attention)
+        rope = None if layer.rope is None else (layer.rope.base, layer.rope.pairing)
+        return tt.Attention(shape[-1], layer.heads, layer.head_dim, fused_attention, causal=layer.causal,
+                            kv_heads=layer.kv_heads, rope_=rope, use_bias=layer.use_bias, tokens=shape[0])
+    if isinstance(layer, layers.Embedding):
+        return tt.Embedding(layer.vocab, layer.width)
+    if isinstance(layer, layers.RMSNorm):
+        return tt.RMSNorm(shape[-1], layer.epsilon, layer.scale == "one_plus_w")
     if isinstance(layer, layers.Tokens):
         return tt.Tokens()
     if isinstance(layer, layers.ClassToken):
@@ -181,6 +192,9 @@ class GraphNet(nn.Module):
         self.kernel_mask = kernel_mask(graph)
         self.inputs = [node.inputs for node in graph.nodes]
         self.is_add = [isinstance(node.layer, Add) for node in graph.nodes]
+        self.is_multiply = [isinstance(node.layer, Multiply) for node in graph.nodes]
+        #: For a tied dense layer, the index of the embedding whose table is its kernel.
+        self.tied = [node.tied for node in graph.nodes]
         last_use = {j: i for i, node in enumerate(graph.nodes) for j in node.inputs}
         self.free_after = [[j for j, last in last_use.items() if last == i and j != INPUT] for i in range(n)]
 
@@ -194,6 +208,13 @@ class GraphNet(nn.Module):
                 for other in ins[1:]:
                     total = total + other
                 out = mod(total)
+            elif self.is_multiply[i]:
+                product = ins[0]
+                for other in ins[1:]:
+                    product = product * other
+                out = mod(product)
+            elif self.tied[i] is not None:  # one table, read by the embedding and by this layer
+                out = mod[1](mod[0](ins[0], self.nodes[self.tied[i]].table))
             else:
                 out = mod(ins[0])
             values[i] = out
