@@ -6,7 +6,7 @@ needs no row permutation), so a layer library would add a second layout to conve
 nothing else. Batchnorm's moving statistics ride in the parameter list, outside the gradient:
 each training step updates them from the batch statistics its forward pass returns.
 optax's Adam adds epsilon to the *bias-corrected* sqrt(v) and Keras' to the raw one; matching it
-would take a per-step epsilon, so the three Keras update rules are written out (``_update``).
+would take a per-step epsilon, so the three Keras update rules are written out (``optimizers.py``).
 
 Modes:
 
@@ -18,7 +18,13 @@ Modes:
   dropout keys (``fold_in(key, global step)``).
 
 ``bf16`` keeps fp32 parameters and optimizer state; the forward pass casts parameters and inputs
-to bfloat16 inside the step, and the loss and the update are fp32.
+to bfloat16 inside the step, and the loss and the update are fp32. Token ids (the input of a
+language model's embedding) stay float32 until the embedding casts them to int32: bfloat16 holds
+whole numbers exactly only up to 256.
+
+A language model (``workload.next_token``) outputs (N, T, vocab): the loss is the mean
+cross-entropy over every position, the training accuracy the share of positions whose argmax is
+the label, and ``scores`` returns (n, T, vocab) probabilities.
 """
 from __future__ import annotations
 
@@ -31,11 +37,13 @@ import numpy as np
 from jax import lax
 
 from ...errors import BackendUnavailable
+from ...spec.graph import INPUT
 from ...spec.model import kernel_mask, trainable_mask
 from ...spec.workload import Workload
 from ..base import Backend, gemm_rate, gpu_index
 from ..precision import capability_of, check_tf32, math_mode
 from .graph import Params, make_forward
+from .optimizers import _init_state, _update  # noqa: F401 (sharding.py imports _update from here)
 
 _INSTALL = {"gpu": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]' (on a Cloud TPU VM)"}
 DEFAULT_STEPS_PER_EXECUTION = 32
@@ -59,43 +67,6 @@ def jax_device(device: str, backend: str) -> jax.Device:
         raise BackendUnavailable(f"{backend}: jax sees {len(found)} {platform} device(s); there is no "
                                  f"{platform}:{index}")
     return found[index]
-
-
-# --- Keras 3 optimizers (update rules and defaults of keras.optimizers.SGD / Adam / RMSprop) -----
-def _init_state(optimizer: str, momentum: float, params: Params) -> dict[str, Any]:
-    zeros = lambda: [jnp.zeros_like(p) for p in params]  # noqa: E731
-    if optimizer == "adam":
-        return {"t": jnp.zeros((), jnp.int32), "m": zeros(), "v": zeros()}
-    if optimizer == "rmsprop":
-        return {"v": zeros()}
-    return {"v": zeros()} if momentum else {}
-
-
-def _update(optimizer: str, lr: float, momentum: float, params: Params, grads: Params,
-            state: dict[str, Any], nesterov: bool = False) -> tuple[Params, dict[str, Any]]:
-    if optimizer == "adam":
-        b1, b2, eps = 0.9, 0.999, 1e-7
-        t = state["t"] + 1
-        tf = t.astype(jnp.float32)
-        # Keras: epsilon is added to sqrt(v) before the bias correction, which goes into the step
-        # size, computed in float32 as Keras does (1 - 0.999**t in float32 is 1e-5 off the exact
-        # value at t=1, and 20 Adam steps on cifar10 amplify that to 5e-3 in the loss).
-        alpha = lr * jnp.sqrt(1 - b2 ** tf) / (1 - b1 ** tf)
-        m = [m + (g - m) * (1 - b1) for m, g in zip(state["m"], grads)]
-        v = [v + (g * g - v) * (1 - b2) for v, g in zip(state["v"], grads)]
-        new = [p - alpha * mi / (jnp.sqrt(vi) + eps) for p, mi, vi in zip(params, m, v)]
-        return new, {"t": t, "m": m, "v": v}
-    if optimizer == "rmsprop":
-        rho, eps = 0.9, 1e-7
-        v = [rho * v + (1 - rho) * g * g for v, g in zip(state["v"], grads)]
-        # Keras puts epsilon inside the square root.
-        return [p - lr * g / jnp.sqrt(vi + eps) for p, g, vi in zip(params, grads, v)], {"v": v}
-    if momentum:
-        v = [momentum * v - lr * g for v, g in zip(state["v"], grads)]
-        if nesterov:  # Keras: w += momentum * v - lr * g, with the new v
-            return [p + momentum * vi - lr * g for p, vi, g in zip(params, v, grads)], {"v": v}
-        return [p + vi for p, vi in zip(params, v)], {"v": v}
-    return [p - lr * g for p, g in zip(params, grads)], state
 
 
 def memory(device: Any) -> tuple[Optional[int], Optional[float]]:
@@ -195,7 +166,11 @@ class JaxBackend(Backend):
     def build(self, weights: Sequence[np.ndarray]) -> int:
         t = self.workload.training
         logits_fn, g = make_forward(self.workload)
-        compute, nc, bs = self.compute, self.workload.num_classes, t.batch_size
+        compute, bs = self.compute, t.batch_size
+        out_shape = g.output.out_shape  # (classes,), or (T, vocab) for a language model
+        self._out_shape, self._positions = out_shape, int(np.prod(out_shape[:-1]))
+        # Token ids are cast by the embedding that reads them, never to bfloat16 on the way.
+        ids = any(n.kind == "embedding" and INPUT in n.inputs for n in g.nodes)
         mask = trainable_mask(g)
         kernels = [k for k, tr in zip(kernel_mask(g), mask) if tr]  # among the trainable arrays
         momenta = [n.layer.momentum for n in g.nodes if n.kind == "batchnorm" for _ in (0, 1)]
@@ -212,13 +187,14 @@ class JaxBackend(Backend):
 
         def logits(params: Params, x: jax.Array, key: Optional[jax.Array], train: bool):
             cast = [p.astype(compute) for p in params]
-            z, stats = logits_fn(cast, x.astype(compute), key, train)
+            z, stats = logits_fn(cast, x if ids else x.astype(compute), key, train)
             return z.astype(jnp.float32), stats
 
         def loss_fn(train: Params, frozen: Params, x: jax.Array, y: jax.Array, key: Optional[jax.Array]):
             z, stats = logits(merge(train, frozen), x, key, True)
-            # Cross-entropy from the logits behind the final softmax, as Keras 3 on TensorFlow.
-            loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], axis=1))
+            # Cross-entropy from the logits behind the final softmax, as Keras 3 on TensorFlow; a
+            # language model's is the mean over every position.
+            loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), y[..., None], axis=-1))
             if l2:  # Keras' L2 kernel regularizer
                 loss = loss + l2 * sum(jnp.sum(jnp.square(p)) for p, k in zip(train, kernels) if k)
             return loss, (z, stats)
@@ -232,7 +208,7 @@ class JaxBackend(Backend):
             train, opt = _update(t.optimizer, t.lr, t.momentum, train, grads, opt, t.nesterov)
             batch = [s for pair in stats for s in pair]
             frozen = [m * f + (1.0 - m) * b for f, b, m in zip(frozen, batch, momenta)]
-            hits = jnp.sum(jnp.argmax(z, axis=1) == y).astype(jnp.int32)
+            hits = jnp.sum(jnp.argmax(z, axis=-1) == y).astype(jnp.int32)
             acc = (acc[0] + loss * x.shape[0], acc[1] + hits)
             return merge(train, frozen), opt, acc, loss
 
@@ -252,7 +228,7 @@ class JaxBackend(Backend):
         def train_block(params, opt, acc, x, y, first, key, s0):
             k = self.k
             xs = lax.dynamic_slice_in_dim(x, first * bs, k * bs).reshape((k, bs) + x.shape[1:])
-            ys = lax.dynamic_slice_in_dim(y, first * bs, k * bs).reshape(k, bs)
+            ys = lax.dynamic_slice_in_dim(y, first * bs, k * bs).reshape((k, bs) + y.shape[1:])
 
             def body(carry, batch):
                 p, o, a = carry
@@ -278,7 +254,7 @@ class JaxBackend(Backend):
         def predict_block(params, x, start, size):
             xs = lax.dynamic_slice_in_dim(x, start, size * self.k).reshape((self.k, size) + x.shape[1:])
             return lax.map(lambda xb: jax.nn.softmax(logits(params, xb, None, False)[0], axis=-1),
-                           xs).reshape(-1, nc)
+                           xs).reshape((-1,) + out_shape)
 
         @jax.jit
         def train_probs(params, x):
@@ -355,12 +331,13 @@ class JaxBackend(Backend):
         self.params, self.opt = params, opt
         self.step_count = s0 + (n + bs - 1) // bs
         self._pending = acc
-        return acc[0] / n, acc[1].astype(jnp.float32) / n  # lazy: the worker fetches and syncs
+        # lazy: the worker fetches and syncs; accuracy over every predicted position
+        return acc[0] / n, acc[1].astype(jnp.float32) / (n * self._positions)
 
     def scores(self, x: jax.Array, batch_size: int) -> jax.Array:
         n = int(x.shape[0])
         if n == 0:
-            return jnp.zeros((0, self.workload.num_classes), jnp.float32)
+            return jnp.zeros((0,) + self._out_shape, jnp.float32)
         k = self.k
         blocks, singles, short = _split(n, batch_size, k)
         parts = []

@@ -6,8 +6,10 @@ permutation, so the canonical layout is JAX's own; paddings are the graph's expl
 never wins a max. Batchnorm follows the reference: batch statistics (biased variance, computed in
 float32) in a training pass, which returns them so the caller can update the moving statistics
 with Keras' momentum; the moving statistics in inference. The transformer layers are
-``jax_transformer``'s; dense, dropout and add take token sequences (N, T, d) as they are, and
-global_avgpool averages over the tokens.
+``jax_transformer``'s; dense, dropout, add and multiply take token sequences (N, T, d) as they are,
+and global_avgpool averages over the tokens. A dense layer tied to an embedding reads that
+embedding's table, transposed (``tied_kernel``), out of the one parameter list: one array, whose
+gradient is the sum of both uses (autodiff adds them).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ...spec.layers import (
     Flatten,
     GlobalAvgPool,
     MaxPool2D,
+    Multiply,
     activation_name,
 )
 from ...spec.workload import Workload
@@ -50,6 +53,8 @@ def activate(x: jax.Array, fn: str) -> jax.Array:
         return jax.nn.sigmoid(x)
     if fn == "softmax":
         return jax.nn.softmax(x, axis=-1)
+    if fn == "silu":
+        return jax.nn.silu(x)
     if fn in ("gelu", GELU_TANH):
         return jax_transformer.gelu(x, approximate=fn == GELU_TANH)
     return x
@@ -74,7 +79,7 @@ def _apply(node: Node, ins: list, w: list, key: Optional[jax.Array], train: bool
                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return y + w[1] if layer.use_bias else y
     if isinstance(layer, Dense):  # on a flat input or the last axis of tokens
-        return x @ w[0] + w[1]
+        return x @ w[0] + w[1] if layer.use_bias else x @ w[0]
     if isinstance(layer, MaxPool2D):
         s, k = layer.stride or layer.pool_size, layer.pool_size
         return lax.reduce_window(x, -jnp.inf, lax.max, (1, k, k, 1), (1, s, s, 1), ((0, 0), *node.pads, (0, 0)))
@@ -84,6 +89,11 @@ def _apply(node: Node, ins: list, w: list, key: Optional[jax.Array], train: bool
         out = ins[0]
         for other in ins[1:]:
             out = out + other
+        return out
+    if isinstance(layer, Multiply):
+        out = ins[0]
+        for other in ins[1:]:
+            out = out * other
         return out
     if isinstance(layer, GlobalAvgPool):  # over the pixels (N, H, W, C) or the tokens (N, T, d)
         return jnp.mean(x, axis=(1, 2) if x.ndim == 4 else 1)
@@ -101,6 +111,11 @@ def _apply(node: Node, ins: list, w: list, key: Optional[jax.Array], train: bool
     raise TypeError(f"{node.label()}: no JAX translation")
 
 
+def tied_kernel(table: jax.Array) -> jax.Array:
+    """A tied dense layer's kernel (width, vocab): its embedding's table (vocab, width), transposed."""
+    return table.T
+
+
 def make_forward(workload: Workload) -> tuple[Forward, Graph]:
     """The network's forward function, and the graph it walks."""
     g = resolve(workload)
@@ -113,7 +128,10 @@ def make_forward(workload: Workload) -> tuple[Forward, Graph]:
         stats: list = []
         for node in g.nodes:
             ins = [values[j] for j in node.inputs]
-            out = _apply(node, ins, g.weights_of(node, params), key, train, stats)
+            w = g.weights_of(node, params)
+            if node.tied is not None:
+                w = [tied_kernel(g.weights_of(g.nodes[node.tied], params)[0])] + w
+            out = _apply(node, ins, w, key, train, stats)
             values[node.index] = activate(out, fns[node.index])
         return values[last], stats
 

@@ -103,6 +103,9 @@ class JaxShardedBackend(JaxBackend):
         if opts.rendezvous:  # Ray Train's one process per replica: jax.distributed, not done here
             raise BackendUnavailable("jax: --replicas across processes (a rendezvous) is not implemented; "
                                      "the jax engine runs its replicas as devices of one process")
+        if workload.next_token:  # sharding.py's loss and accuracy are per sample, not per position
+            raise BackendUnavailable("jax: --replicas for language models (next-token training) is not "
+                                     "implemented yet; run them without --replicas")
         if not device.startswith("tpu") and gpu_index(device, self.name) is None:
             _set_cpu_devices(self.world)  # before JaxBackend resolves the device, which starts the backend
         super().__init__(workload, device, mode, precision, opts)
