@@ -156,7 +156,7 @@ class KerasBackend(Backend):
     def scores(self, x: Any, batch_size: int) -> np.ndarray:
         assert self.model is not None
         if len(x) == 0:
-            return np.zeros((0, self.workload.num_classes), np.float32)
+            return np.zeros((0, *self.net.graph.output.out_shape), np.float32)
         return self.model.predict(_Batches((x,), batch_size), verbose=0)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:

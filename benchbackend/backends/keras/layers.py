@@ -37,6 +37,7 @@ from ...spec.layers import (
     Flatten,
     GlobalAvgPool,
     MaxPool2D,
+    Multiply,
     gelu_approximate,
 )
 from ...spec.workload import Workload
@@ -99,7 +100,12 @@ def build(workload: Workload, keras: Any, L: Any = None, *, dropout: bool = True
         act = node.activation
         if last and output_dtype is not None and act == "softmax":
             act = "none"
-        if isinstance(node.layer, TOKEN_LAYERS):
+        if isinstance(node.layer, Dense) and node.tied is not None:
+            if transformer is None:
+                raise BackendUnavailable(f"{node.label()}: no tied dense layer in this Keras")
+            holder_of = {n.index: h for n, h in zip(g.nodes, holders)}
+            out, holder = transformer.tied(node, ins[0], holder_of[node.tied], _act(act, node.layer, transformer))
+        elif isinstance(node.layer, TOKEN_LAYERS):
             if transformer is None:
                 raise BackendUnavailable(f"{node.label()}: no transformer layers in this Keras")
             out, holder = transformer.layer(node, ins[0], L, reg)
@@ -138,13 +144,15 @@ def _layer(node: Node, ins: list[Any], L: Any, act: Any, dropout: bool, seed: in
             x, padding = neg_pad(node.pads)(x), "valid"
         return L.MaxPooling2D(layer.pool_size, strides=stride, padding=padding)(x), None
     if isinstance(layer, Dense):
-        dense = L.Dense(layer.units, activation=act, kernel_regularizer=reg)
+        dense = L.Dense(layer.units, activation=act, use_bias=layer.use_bias, kernel_regularizer=reg)
         return dense(x), dense
     if isinstance(layer, BatchNorm):
         bn = batchnorm(momentum=layer.momentum, epsilon=layer.epsilon)
         return _then(L, bn(x), act), bn
     if isinstance(layer, Add):
         return _then(L, L.Add()(ins), act), None
+    if isinstance(layer, Multiply):
+        return L.Multiply()(ins), None
     if isinstance(layer, GlobalAvgPool):
         pool = L.GlobalAveragePooling1D if len(node.in_shape) == 2 else L.GlobalAveragePooling2D
         return pool()(x), None

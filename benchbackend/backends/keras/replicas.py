@@ -120,6 +120,9 @@ class KerasJaxDataParallelBackend(KerasJaxBackend):
         opts = as_options(options)
         #: The number of replicas: devices of the mesh.
         self.world = opts.replicas or 1
+        if workload.next_token:  # issue 37: the single-replica adapter builds decoders; this one not yet
+            raise BackendUnavailable("keras-jax: --replicas with a language model (next-token loss and accuracy per "
+                                     "position) is not implemented yet")
         if opts.rendezvous:
             raise BackendUnavailable("keras-jax: replicas in processes of their own (Ray Train) are not implemented: "
                                      "keras.distribution.DataParallel here runs N devices of one process")

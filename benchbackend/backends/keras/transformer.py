@@ -17,6 +17,8 @@ so ``KerasNet.set``/``get`` stay layer by layer. The conversions from the canoni
   canonical order (query, key, value, output; kernel then bias). heads * head_dim may differ from d;
 - GELU: ``keras.activations.gelu(x, approximate=...)`` with the spec's ``approximate`` (False unless
   it says so); ``keras.ops.gelu`` defaults to the tanh form and is never used bare;
+- the decoder's layers (``embedding``, ``rmsnorm``, an attention with a causal mask, grouped
+  key/value heads, rotary positions or no biases, a dense ``tied_to`` an embedding): ``decoder.py``;
 - ``select_token``: the token at ``index``; ``global_avgpool`` over tokens: ``GlobalAveragePooling1D``
   (``keras_layers``); ``dense``, ``dropout``, ``add`` take tokens as they are.
 
@@ -31,7 +33,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ...spec.graph import Node
-from ...spec.layers import Attention, ClassToken, LayerNorm, PositionEmbedding, SelectToken, Tokens
+from ...spec.layers import Attention, ClassToken, Embedding, LayerNorm, PositionEmbedding, RMSNorm, SelectToken, Tokens
+from .decoder import decoder_classes, tied_dense
 
 
 def attention_to_keras(arrays: Sequence[np.ndarray], heads: int, head_dim: int) -> list[np.ndarray]:
@@ -157,6 +160,17 @@ class Keras3Transformer:
         if isinstance(layer, LayerNorm):
             holder = L.LayerNormalization(axis=-1, epsilon=layer.epsilon)
             return holder(x), holder
+        if isinstance(layer, Embedding):
+            holder = decoder_classes(self.keras).Embedding(layer.vocab, layer.width, **kw)
+            return holder(x), holder
+        if isinstance(layer, RMSNorm):
+            holder = decoder_classes(self.keras).RMSNorm(layer.epsilon, layer.scale == "one_plus_w", **kw)
+            return holder(x), holder
+        if isinstance(layer, Attention) and is_decoder_attention(layer):
+            rope = None if layer.rope is None else (layer.rope.base, layer.rope.pairing)
+            holder = decoder_classes(self.keras).Attention(layer.heads, layer.head_dim, layer.groups, layer.causal,
+                                                           rope, layer.use_bias, kernel_regularizer=reg, **kw)
+            return holder(x), holder
         if isinstance(layer, Attention):
             holder = cls.Attention(layer.heads, layer.head_dim, output_shape=node.in_shape[-1], dropout=0.0,
                                    kernel_regularizer=reg, **kw)
@@ -164,3 +178,16 @@ class Keras3Transformer:
         if isinstance(layer, SelectToken):
             return cls.SelectToken(layer.index, **kw)(x), None
         raise TypeError(f"{node.label()}: no Keras translation")
+
+    def tied(self, node: Node, x: Any, embedding: Any, act: Any) -> tuple[Any, Any]:
+        """A dense layer tied to ``embedding`` (the embedding node's holder): (output, the layer
+        holding its bias, or None without one)."""
+        kw = {} if self.dtype is None else {"dtype": self.dtype}
+        holder = tied_dense(self.keras, embedding, node.layer.units, node.layer.use_bias, act, **kw)
+        return holder(x), holder if node.layer.use_bias else None
+
+
+def is_decoder_attention(layer: Attention) -> bool:
+    """Whether an attention layer asks for what Keras' ``MultiHeadAttention`` cannot do (a causal
+    mask, grouped key/value heads, rotary positions, no biases): ``decoder.DecoderAttention`` builds it."""
+    return layer.causal or layer.groups != layer.heads or layer.rope is not None or not layer.use_bias

@@ -3,7 +3,10 @@
 Modes: ``tf.function`` (graph step, TF's own kernels) and ``xla`` (the same steps with
 ``jit_compile=True``). Precisions: ``fp32`` (strict: TF32 off, see ``precision.py``); ``tf32`` (an
 Ampere or newer GPU); ``bf16`` through Keras' ``mixed_bfloat16`` policy, per layer (float32
-variables, bfloat16 compute; the final softmax and the loss in float32).
+variables, bfloat16 compute; the final softmax and the loss in float32; a decoder's attention
+softmax and RMSNorm in float32 too, ``keras/decoder.py``). A language model's loss is the mean
+over every position (N*T) and its accuracy the share of positions predicted; ``--replicas`` with
+one is not built yet (``replicas.py`` says unavailable).
 """
 from __future__ import annotations
 
@@ -133,7 +136,9 @@ class TensorFlowBackend(Backend):
             opt.apply_gradients(zip(grads, model.trainable_variables))
             # Returned, not accumulated in variables: assign_add adds ordering constraints
             # that cost 3-5% of a cifar10 step on CPU.
-            return loss, tf.reduce_sum(tf.cast(tf.argmax(probs, 1) == y, tf.int32))
+            # Hits per sample: a language model's samples have T positions each (labels (N, T)).
+            hits = tf.reduce_sum(tf.cast(tf.argmax(probs, -1) == y, tf.int32))
+            return loss, tf.cast(hits, tf.float32) / float(np.prod(y.shape[1:]))
 
         @tf.function(jit_compile=self.jit)
         def predict_step(x):
@@ -208,13 +213,13 @@ class TensorFlowBackend(Backend):
                 correct.append(hits)
             sizes = tf.constant(np.minimum(bs, n - np.arange(0, n, bs)), tf.float32)
             mean_loss = tf.reduce_sum(tf.stack(losses) * sizes) / n
-            acc = tf.cast(tf.reduce_sum(tf.stack(correct)), tf.float32) / n
+            acc = tf.reduce_sum(tf.stack(correct)) / n
         return mean_loss, acc  # device values: the worker fetches them (the sync) before the clock
 
     def scores(self, x: tf.Tensor, batch_size: int) -> tf.Tensor:
         n = int(x.shape[0])
         if n == 0:
-            return tf.zeros((0, self.workload.num_classes), tf.float32)
+            return tf.zeros((0, *self.net.graph.output.out_shape), tf.float32)
         parts = []
         for s in range(0, n, batch_size):
             with tf.device(self._held()):  # a slice where the arrays are

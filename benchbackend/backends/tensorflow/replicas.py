@@ -62,6 +62,9 @@ class TensorFlowMirroredBackend(TensorFlowBackend):
         opts = as_options(options)
         #: The number of replicas (one strategy in this process drives them all).
         self.world = opts.replicas or 1
+        if workload.next_token:  # issue 37: the single-replica adapter builds decoders; this one not yet
+            raise BackendUnavailable("tensorflow: --replicas with a language model (next-token loss and accuracy per "
+                                     "position) is not implemented yet")
         if opts.rendezvous:
             raise BackendUnavailable("tensorflow: replicas across processes or nodes are not implemented "
                                      "(MirroredStrategy runs every replica in one process)")
