@@ -2,9 +2,10 @@
 
 Shared by the ONNX-consuming runtimes (onnxruntime, openvino, tvm), so that they all run one
 graph and no framework's exporter decides what it contains. The graph takes the canonical input
-(float32 NHWC ``[batch, H, W, C]``, ``batch`` dynamic unless fixed) and returns class
-probabilities ``[batch, classes]`` (the final softmax included; dropout is the identity at
-inference and is left out).
+(float32 NHWC ``[batch, H, W, C]``, or a language model's float token ids ``[batch, T]``;
+``batch`` dynamic unless fixed) and returns class probabilities ``[batch, classes]``, or a
+language model's ``[batch, T, vocab]`` (``output_shape``); the final softmax included, dropout
+(the identity at inference) left out.
 
 ONNX's Conv, MaxPool, BatchNormalization and pools are NCHW: an NHWC value is transposed once,
 where an NCHW op first reads it; conv kernels go HWIO -> OIHW; every padding (TF 'same'
@@ -14,7 +15,9 @@ batchnorm) behind a flatten of NCHW activations gets its rows permuted to NCHW o
 
 A transformer's token sequences are ``[batch, T, d]`` (``onnx_transformer.py``: its layers, dense and
 average pool on tokens; GELU with the other activations in ``onnx_nodes.py``, which both build on);
-the conv's NCHW output becomes tokens in row-major (h, w) order.
+the conv's NCHW output becomes tokens in row-major (h, w) order. A decoder's embedding, RMSNorm,
+causal mask, rotary positions, grouped heads and tied output are ``decoder.py``'s; ``multiply``
+is an elementwise Mul.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from ...spec.layers import (
     Flatten,
     GlobalAvgPool,
     MaxPool2D,
+    Multiply,
     gelu_approximate,
 )
 from ...spec.model import nhwc_to_nchw_rows
@@ -77,8 +81,8 @@ def _node(g: Builder, node: Node, ins: list[Value], w: list[np.ndarray]) -> Valu
     if isinstance(layer, Dense):
         rows = _rows(ins[0])
         kernel = w[0] if rows is None else w[0][rows]
-        return Value(g.add("Gemm", [ins[0].name, g.const(f"{tag}.weight", kernel), g.const(f"{tag}.bias", w[1])],
-                            tag))
+        bias = [g.const(f"{tag}.bias", w[1])] if layer.use_bias else []
+        return Value(g.add("Gemm", [ins[0].name, g.const(f"{tag}.weight", kernel), *bias], tag))
     if isinstance(layer, BatchNorm):
         # Inference mode: the moving statistics (runtimes fold it into the conv before it).
         rank4 = len(node.in_shape) == 3
@@ -97,6 +101,13 @@ def _node(g: Builder, node: Node, ins: list[Value], w: list[np.ndarray]) -> Valu
             raise BackendUnavailable(f"{node.label()}: adds a flattened image to other features; the ONNX graph "
                                      "flattens NCHW and cannot")
         return Value(g.add("Sum", names, tag), nchw=len(node.in_shape) == 3, flat_from=ins[0].flat_from)
+    if isinstance(layer, Multiply):  # elementwise (a gated MLP's gate times its up projection)
+        if len(node.in_shape) == 3:
+            raise BackendUnavailable(f"{node.label()}: multiplies images; the ONNX graph multiplies tokens or features")
+        out = ins[0].name
+        for i, other in enumerate(ins[1:]):
+            out = g.add("Mul", [out, other.name], tag if i == len(ins) - 2 else f"{tag}.{i}")
+        return Value(out, flat_from=ins[0].flat_from)
     if isinstance(layer, GlobalAvgPool):
         pooled = g.add("GlobalAveragePool", [g.nchw(ins[0])], f"{tag}.pool")
         return Value(g.add("Flatten", [pooled], tag, axis=1))
@@ -135,12 +146,17 @@ def build_model(workload: Workload, weights: Sequence[np.ndarray],
     proto = helper.make_graph(
         g.nodes, workload.name,
         [helper.make_tensor_value_info(INPUT, TensorProto.FLOAT, [batch, *workload.input_shape])],
-        [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [batch, workload.num_classes])],
+        [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [batch, *output_shape(workload)])],
         initializer=g.inits)
     model = helper.make_model(proto, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="benchbackend", ir_version=IR_VERSION)
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def output_shape(workload: Workload) -> tuple[int, ...]:
+    """One sample's scores: ``(classes,)``, or a language model's ``(T, vocab)`` (one row per position)."""
+    return tuple(resolve(workload).output.out_shape)
 
 
 def model_bytes(workload: Workload, weights: Sequence[np.ndarray], batch_size: Optional[int] = None) -> bytes:

@@ -1,7 +1,8 @@
 """The building blocks of the spec's ONNX graph, shared by ``onnx_graph.py`` (the CNN layers, the
 whole model) and ``onnx_transformer.py`` (the token layers): a value (:class:`Value`) and the node
 list being built (:class:`Builder`), with the activations, GELU included (opset 17 has no Gelu:
-``0.5 x (1 + Erf(x / sqrt 2))``, or the tanh form when ``approximate``).
+``0.5 x (1 + Erf(x / sqrt 2))``, or the tanh form when ``approximate``) and SiLU
+(``x * Sigmoid(x)``: opset 17 has no Swish).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class Builder:
         self.inits: list[onnx.TensorProto] = []
         self._nchw: dict[str, str] = {}  # NHWC value -> its transposed twin
         self._scalars: dict[float, str] = {}
+        #: graph node index of an embedding -> its table's initializer (a tied dense reads it).
+        self.tables: dict[int, str] = {}
 
     def add(self, op: str, inputs: Sequence[str], name: str, **attrs: object) -> str:
         self.nodes.append(helper.make_node(op, list(inputs), [name], name=name, **attrs))
@@ -47,6 +50,11 @@ class Builder:
     def ints(self, name: str, values: Union[int, Sequence[int]]) -> str:
         """An int64 ``Constant`` (a shape, an index): not an initializer, so not a weight."""
         tensor = numpy_helper.from_array(np.array(values, np.int64), name)
+        return self.add("Constant", [], name, value=tensor)
+
+    def floats(self, name: str, array: np.ndarray) -> str:
+        """A float32 ``Constant`` (a mask, RoPE's cos/sin tables): not an initializer, so not a weight."""
+        tensor = numpy_helper.from_array(np.ascontiguousarray(array, np.float32), name)
         return self.add("Constant", [], name, value=tensor)
 
     def scalar(self, value: float) -> str:
@@ -70,6 +78,9 @@ class Builder:
             return v
         if fn == "gelu":
             return Value(self.gelu(v.name, name, approximate), v.nchw, v.flat_from)
+        if fn == "silu":
+            return Value(self.add("Mul", [v.name, self.add("Sigmoid", [v.name], f"{name}.sigmoid")], name), v.nchw,
+                         v.flat_from)
         if fn == "softmax":
             # The canonical softmax is over the last NHWC axis: channels, which are axis 1 in NCHW.
             return Value(self.add("Softmax", [v.name], name, axis=1 if rank == 4 and v.nchw else -1), v.nchw,

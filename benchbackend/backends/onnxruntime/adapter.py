@@ -56,6 +56,7 @@ class OnnxRuntimeBackend(Backend):
         self.ort_device = "cpu" if self.index is None else "cuda"
         self.session: Optional[ort.InferenceSession] = None
         self.binding: Optional[Any] = None
+        self.out_shape = onnx_graph.output_shape(workload)  # one sample's scores
 
     @classmethod
     def probe(cls) -> dict:
@@ -112,22 +113,23 @@ class OnnxRuntimeBackend(Backend):
         return (self.index or 0) if device == "cuda" else 0
 
     def scores(self, x: Placed, batch_size: int) -> Any:
-        """Class probabilities as one OrtValue (n, classes) on the session's device, each batch run
-        on a slice of ``x``'s buffer and written into a slice of it (``to_host`` fetches it)."""
+        """Class probabilities as one OrtValue (n, classes) on the session's device (a language
+        model's (n, T, vocab)), each batch run on a slice of ``x``'s buffer and written into a slice
+        of it (``to_host`` fetches it)."""
         assert self.session is not None and self.binding is not None
-        n, classes = len(x), self.workload.num_classes
+        n, classes = len(x), list(self.out_shape)
         if not n:
-            return np.zeros((0, classes), np.float32)
+            return np.zeros((0, *classes), np.float32)
         shape = list(x.value.shape()[1:])
         out_id = self._id(self.ort_device)
-        out = ort.OrtValue.ortvalue_from_shape_and_type((n, classes), np.float32, self.ort_device, out_id)
-        in_row, out_row = 4 * int(np.prod(shape)), 4 * classes  # float32 bytes per sample
+        out = ort.OrtValue.ortvalue_from_shape_and_type((n, *classes), np.float32, self.ort_device, out_id)
+        in_row, out_row = 4 * int(np.prod(shape)), 4 * int(np.prod(classes))  # float32 bytes per sample
         binding = self.binding
         for s in range(0, n, batch_size):
             m = min(batch_size, n - s)
             binding.bind_input(onnx_graph.INPUT, x.device, self._id(x.device), np.float32, [m, *shape],
                                x.value.data_ptr() + s * in_row)
-            binding.bind_output(onnx_graph.OUTPUT, self.ort_device, out_id, np.float32, [m, classes],
+            binding.bind_output(onnx_graph.OUTPUT, self.ort_device, out_id, np.float32, [m, *classes],
                                 out.data_ptr() + s * out_row)
             self.session.run_with_iobinding(binding)
         return out

@@ -112,7 +112,7 @@ class OpenVinoBackend(Backend):
                 self.queue.wait_all()
 
     def scores(self, x: np.ndarray, batch_size: int) -> np.ndarray:
-        out = np.empty((len(x), self.workload.num_classes), np.float32)
+        out = np.empty((len(x), *onnx_graph.output_shape(self.workload)), np.float32)  # (n, T, vocab): an LM
         starts = range(0, len(x), batch_size)
         if self.queue is None:
             for s in starts:

@@ -10,7 +10,9 @@ budget, so a later run reuses it.
 A CNN's graph is built directly with ``relax.BlockBuilder`` in NHWC/HWIO, the canonical layout, so the
 shared weights go in unchanged and the input needs no transpose. A transformer (any of
 ``spec.TRANSFORMER_LAYERS``) is the spec's ONNX graph (``onnx_graph.py``, the one onnxruntime and
-OpenVINO run) read by TVM's Relax ONNX frontend, its initializers passed as ``main``'s parameters.
+OpenVINO run) read by TVM's Relax ONNX frontend, its initializers passed as ``main``'s parameters;
+so is a decoder language model (any of ``spec.DECODER_LAYERS``: token ids in, ``(T, vocab)``
+probabilities out per sample).
 The executable is compiled for one static batch, the workload's inference batch size: MetaSchedule
 tunes static shapes only, and one shape means parity checks the very kernels that inference times.
 """
@@ -44,7 +46,7 @@ from ...spec.layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropo
 from ...spec.model import vocabulary
 from ...spec.workload import Workload
 from ..base import Backend
-from ..spec import TRANSFORMER_LAYERS
+from ..spec import DECODER_LAYERS, TRANSFORMER_LAYERS
 from .schedule import compile_module
 
 #: Layouts of the Relax graph; the canonical ones, so weights and inputs need no conversion.
@@ -201,7 +203,7 @@ class TVMBackend(Backend):
     # --- lifecycle --------------------------------------------------------------------------
     def build(self, weights: Sequence[np.ndarray]) -> int:
         """Compile with the fixed CPU schedule (both modes: ``tuned`` recompiles in ``tune()``)."""
-        if vocabulary(self.workload) & set(TRANSFORMER_LAYERS):
+        if vocabulary(self.workload) & set(TRANSFORMER_LAYERS + DECODER_LAYERS):
             self._mod, params = onnx_module(self.workload, weights, self.batch)
             self._params = params  # tensors on the host CPU, self.dev
         else:
@@ -314,7 +316,7 @@ class TVMBackend(Backend):
     def to_host(self, value: Any) -> Any:
         if isinstance(value, Scores):
             if not value.chunks:
-                return np.zeros((0, self.workload.num_classes), np.float32)
+                return np.zeros((0, *resolve(self.workload).output.out_shape), np.float32)
             return np.concatenate([c.numpy() for c in value.chunks])[: value.n]
         return np.asarray(value)
 
