@@ -18,12 +18,14 @@ from benchbackend.analysis import experiments, stats, summary, tables
 from benchbackend.analysis.experiments import GroupKey
 
 SIMULATIONS = 2000
-_TEXT = re.compile(r"^(faster|slower|not significant): ([\d.]+)x \[([\d.]+)-([\d.]+)\]$")
+_TEXT = re.compile(r"^(faster|slower|not significant): ([\d.]+)x \[([\d.]+)-([\d.]+)\]( \(([\d.]+)x slower\))?$")
 
 
 def _parse(text: str) -> tuple[str, float, float, float]:
     m = _TEXT.match(text)
     assert m, text
+    if m.group(5):  # a slowdown is also said as its inverse, and only a slowdown
+        assert m.group(1) == "slower" and float(m.group(6)) == pytest.approx(1 / float(m.group(2)), rel=2e-2)
     return m.group(1), float(m.group(2)), float(m.group(3)), float(m.group(4))
 
 

@@ -53,14 +53,15 @@ def test_the_tanh_gelu_misses_the_trap() -> None:
 def test_a_misread_attention_misses_the_trap(monkeypatch: pytest.MonkeyPatch, planted: str) -> None:
     attention = tr.attention
 
-    def wrong(x, w, heads, head_dim):
+    def wrong(x, w, layer):
+        heads, head_dim = layer.heads, layer.head_dim
         if planted == "unscaled":  # scores not divided by sqrt(head_dim): scale q by it
             w = [w[0] * np.sqrt(head_dim), w[1] * np.sqrt(head_dim), *w[2:]]
         else:  # the q/k/v columns read (head_dim, heads) instead of (heads, head_dim)
             def t(a):
                 return a.reshape(*a.shape[:-1], head_dim, heads).swapaxes(-1, -2).reshape(a.shape)
             w = [t(a) if i < 6 else a for i, a in enumerate(w)]
-        return attention(x, w, heads, head_dim)
+        return attention(x, w, layer)
 
     monkeypatch.setattr(tr, "attention", wrong)
     err = _reference_error(lambda w, weights, x: forward(w, weights, x))
