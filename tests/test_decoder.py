@@ -430,6 +430,13 @@ def test_text_is_cut_in_windows_by_position_train_first_validation_and_test_last
     np.testing.assert_array_equal(ds.x_test[-1], ids[(n - 1) * 32:n * 32])  # the last whole window
     np.testing.assert_array_equal(ds.x_val[0], ids[(n - 96) * 32:(n - 95) * 32])
     assert (len(ds.x_train), len(ds.x_val), len(ds.x_test)) == (512, 64, 32) and ds.source == "text"
+
+
+def test_text_above_256_ids_is_a_bpe_of_that_vocabulary(tmp_path: Any) -> None:
+    from benchbackend.data import language
+
+    pytest.importorskip("tokenizers", reason="tokenizers is not installed (the BPE option's library): "
+                        "pip install 'benchbackend[text]'")
     bpe = language.load(workload.load(byte_lm(tmp_path, vocab=320)).with_overrides(text=str(STDLIB / "json"),
                                                                                    limit=512))
     assert 255 < bpe.x_train.max() < 320  # merges in use, every id inside the vocabulary

@@ -268,5 +268,5 @@ def test_bpe_on_standard_library_sources_is_deterministic():
 
 def test_bpe_without_tokenizers_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers raises ImportError
-    with pytest.raises(ImportError, match="pip install tokenizers"):
+    with pytest.raises(ImportError, match=r"pip install 'benchbackend\[text\]'"):
         tk.bpe_tokens("some text", 300)

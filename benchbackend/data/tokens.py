@@ -315,7 +315,8 @@ def bpe_tokens(text: str, vocab_size: int, seed: int = 0) -> tuple[np.ndarray, i
     try:
         from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     except ImportError as e:
-        raise ImportError("a BPE vocab needs the tokenizers library: pip install tokenizers") from e
+        raise ImportError("a BPE vocabulary (vocab above 256) needs the tokenizers library: "
+                          "pip install 'benchbackend[text]'") from e
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
