@@ -102,8 +102,8 @@ def render(probe_devices: bool = True, refresh: bool = False,
     for name, path in workload.available().items():
         try:
             w = workload.load(str(path))
-            info = (f"{w.data.dataset:<8} {model.param_count(w):>10,} params  "
-                    f"{model.flops_per_sample(w) / 1e6:>8.1f} MFLOPs/sample  {w.training.optimizer} "
+            info = (f"{w.data.dataset:<9} {model.param_count(w):>13,} params  "
+                    f"{model.flops_per_sample(w) / 1e6:>11.1f} MFLOPs/sample  {w.training.optimizer} "
                     f"lr {w.training.lr:g}, batch {w.training.batch_size}, {w.training.epochs} epoch"
                     + ("s" if w.training.epochs != 1 else ""))
         except (WorkloadError, ValueError) as exc:
