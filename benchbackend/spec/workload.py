@@ -321,14 +321,13 @@ class Workload(_Strict):
         the same context, vocabulary and counts; raises ``WorkloadError`` for any other workload.
         """
         upd: dict[str, Any] = {}
+        data = self.data
         if text is not None:
             if not self.next_token:
                 raise WorkloadError(f"{self.name}: --text is for language models (dataset tokens or text); this "
-                                    f"workload's data is {self.data.dataset}")
-            data = dict(self.data.model_dump(exclude={"order", "branching"}), dataset="text",
-                        path=str(Path(text).expanduser().resolve()))
-            upd["data"] = DataSpec.model_validate(data)
-            self = self.model_copy(update=upd)
+                                    f"workload's data is {data.dataset}")
+            data = DataSpec.model_validate(dict(data.model_dump(exclude={"order", "branching"}), dataset="text",
+                                                path=str(Path(text).expanduser().resolve())))
         training: dict[str, Any] = {}
         if epochs is not None:
             training["epochs"] = epochs
@@ -339,14 +338,16 @@ class Workload(_Strict):
             upd["training"] = self.training.model_copy(update=training)
         if seed is not None:
             upd["seed"] = seed
-        if limit is not None and limit < self.data.train:
-            frac = limit / self.data.train
+        if limit is not None and limit < data.train:
+            frac = limit / data.train
             shrink = lambda n: min(n, max(256, round(n * frac)))  # noqa: E731
-            upd["data"] = self.data.model_copy(update={
-                "train": limit, "validation": shrink(self.data.validation) if self.data.validation else 0,
-                "test": min(self.data.test, limit) if inference_only else shrink(self.data.test)})
-        elif limit is not None and inference_only and limit < self.data.test:
-            upd["data"] = self.data.model_copy(update={"test": limit})
+            data = data.model_copy(update={
+                "train": limit, "validation": shrink(data.validation) if data.validation else 0,
+                "test": min(data.test, limit) if inference_only else shrink(data.test)})
+        elif limit is not None and inference_only and limit < data.test:
+            data = data.model_copy(update={"test": limit})
+        if data is not self.data:
+            upd["data"] = data
         return self.model_copy(update=upd)
 
     def to_dict(self) -> dict[str, Any]:
