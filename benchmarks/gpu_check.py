@@ -30,7 +30,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -60,7 +62,20 @@ PATHS: dict[str, tuple[str, list[str]]] = {
     "onnxruntime": ("onnxruntime", ["--device", "cuda"]),
     "tvm": ("tvm", ["--device", "cuda"]),
     "plaidml": ("plaidml", ["--device", "gpu"]),
+    # Beyond mnist (issue 42): attention's fused kernel, bf16 convolutions, and a GPU that is not there.
+    "torch-sdpa-vit": ("torch", ["--mode", "torch:sdpa", "--device", "cuda"]),
+    "torch-bf16-resnet8": ("torch", ["--mode", "torch:eager", "--precision", "bf16", "--device", "cuda"]),
+    "torch-cuda1": ("torch", ["--mode", "torch:eager", "--device", "cuda:1"]),
 }
+#: The paths that run another workload than mnist.
+WORKLOAD_OF = {"torch-sdpa-vit": "vit-tiny", "torch-bf16-resnet8": "resnet8"}
+#: A path whose device may be absent: on a machine without it, the run must refuse it cleanly (a cell
+#: ``unavailable``, or exit 2 with one line, no traceback) and name it.
+MAY_BE_ABSENT = {"torch-cuda1": "cuda:1"}
+#: ``--mfu``: after the paths, alone on the GPU, torch eager trains each workload in each precision.
+MFU_WORKLOADS = ("resnet20", "vit-tiny")
+MFU_PRECISIONS = ("fp32", "tf32", "bf16")
+MFU_SIZE = ["--data", "synthetic", "--limit", "8192", "--epochs", "3", "--repeats", "1", "--parity-steps", "5"]
 REPORT = "gpu_check.md"
 
 
@@ -74,6 +89,7 @@ class Outcome:
     math_mode: str = ""
     version: str = ""
     seconds: Optional[float] = None
+    on_device: str = ""  # the placement rule's decision (data_on_device), per the cell's rows
 
     @property
     def clean(self) -> bool:
@@ -100,15 +116,20 @@ def find_gpu() -> tuple[list[str], str]:
     return gpus, ""
 
 
-def command_of(name: str) -> list[str]:
+def command_of(name: str, cpu: bool = False) -> list[str]:
     backend, args = PATHS[name]
+    if cpu:  # the rehearsal: the same run on the CPU
+        args = [a if i == 0 or args[i - 1] != "--device" else "cpu" for i, a in enumerate(args)]
     spec = backends.BACKENDS[backend]
-    return ["run", WORKLOAD, "-b", backend, *args, *(["--parity-steps", "5"] if spec.trains else ["--inference-only"])]
+    return ["run", WORKLOAD_OF.get(name, WORKLOAD), "-b", backend, *args,
+            *(["--parity-steps", "5"] if spec.trains else ["--inference-only"])]
 
 
-def skip_reason(name: str) -> str:
+def skip_reason(name: str, cpu: bool = False) -> str:
     """Why this path cannot run here, known without running it ("" if it can)."""
     backend, args = PATHS[name]
+    if cpu:
+        args = ["--device", "cpu"]
     try:
         spec = backends.get(backend)
     except BackendUnavailable as exc:
@@ -117,7 +138,7 @@ def skip_reason(name: str) -> str:
     if why:
         return f"{backend} is not installed here ({why}): {spec.install}"
     device = args[args.index("--device") + 1]
-    if device not in spec.devices:
+    if not spec.accepts(device):
         return f"the {backend} adapter takes --device {', '.join(spec.devices)}, not {device}"
     return ""
 
@@ -127,16 +148,15 @@ def last_line(path: Path) -> str:
     return lines[-1].strip() if lines else "no output"
 
 
-def run_path(name: str, out: Path, timeout: float) -> Outcome:
-    """One ``benchbackend run`` in a subprocess of its own session (so a timeout ends its worker too)."""
-    argv = command_of(name)
-    outcome = Outcome(name, "benchbackend " + " ".join(argv), "no_result")
-    csv, log = out / f"{name}.csv", out / f"{name}.log"
+def benchbackend(argv: list[str], csv: Path, log: Path, timeout: float) -> tuple[Optional[int], float]:
+    """One ``benchbackend run`` in a subprocess of its own session (so a timeout ends its worker
+    too): (its exit code or None when it did not end in time, its seconds)."""
     csv.unlink(missing_ok=True)  # a run refused at once (exit 2) must not be judged by an older CSV
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     limit, start = 2 * timeout + 120, time.monotonic()  # the worker's --timeout, plus the parent's own work
+    common = COMMON if "--limit" not in argv else ["--no-plots", "-q", "--force"]
     with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "benchbackend", *argv, *COMMON, "--timeout", f"{timeout:g}",
+        proc = subprocess.Popen([sys.executable, "-m", "benchbackend", *argv, *common, "--timeout", f"{timeout:g}",
                                  "-o", str(csv)], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                 start_new_session=True)
         try:
@@ -148,13 +168,28 @@ def run_path(name: str, out: Path, timeout: float) -> Outcome:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            outcome.status, outcome.note = "timeout", f"the run did not end in {limit:g} s; see {log.name}"
-            return outcome
-    outcome.seconds = time.monotonic() - start
-    return judge(outcome, csv, rc, log)
+            return None, time.monotonic() - start
+    return rc, time.monotonic() - start
 
 
-def judge(outcome: Outcome, csv: Path, rc: int, log: Path) -> Outcome:
+def run_path(name: str, out: Path, timeout: float, cpu: bool = False) -> Outcome:
+    argv = command_of(name, cpu)
+    outcome = Outcome(name, "benchbackend " + " ".join(argv), "no_result")
+    csv, log = out / f"{name}.csv", out / f"{name}.log"
+    rc, outcome.seconds = benchbackend(argv, csv, log, timeout)
+    if rc is None:
+        outcome.status, outcome.note = "timeout", f"the run did not end in {outcome.seconds:.0f} s; see {log.name}"
+        return outcome
+    outcome = judge(outcome, csv, rc, log, cpu)
+    absent = MAY_BE_ABSENT.get(name)
+    if absent and outcome.status == "no_result" and rc == 2:  # refused before any cell: one line, no traceback
+        said = last_line(log)
+        if absent in said and "Traceback" not in log.read_text(errors="replace"):
+            outcome.status, outcome.note = "unavailable", said
+    return outcome
+
+
+def judge(outcome: Outcome, csv: Path, rc: int, log: Path, cpu: bool = False) -> Outcome:
     """Fill ``outcome`` from the run's CSV (read by ``results.read``) and exit code."""
     try:
         df = results.read(csv)
@@ -171,9 +206,10 @@ def judge(outcome: Outcome, csv: Path, rc: int, log: Path) -> Outcome:
     outcome.parity = float(parity.max()) if len(parity) else None
     outcome.math_mode = ", ".join(sorted({m for m in df["math_mode"] if m}))
     outcome.version = next((v for v in df["backend_version"] if v), "")
+    outcome.on_device = ", ".join(sorted({str(b) for b in df["data_on_device"].dropna()}))
     if outcome.status == "ok":
         devices = sorted(set(cells["device"]))
-        if "cpu" in devices:
+        if "cpu" in devices and not cpu:
             outcome.status, outcome.note = "wrong_device", "the cell is ok but ran on cpu, not the GPU"
         elif rc:
             outcome.status, outcome.note = "crashed", f"the cell is ok but benchbackend exited {rc}; see {log.name}"
@@ -195,7 +231,87 @@ def cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def write_report(path: Path, outcomes: list[Outcome], gpus: list[str], no_gpu: str, timeout: float) -> None:
+class GpuMemory:
+    """The most memory ``nvidia-smi`` saw held by compute processes while it ran (polled twice a
+    second in a thread): the driver's view of a cell, CUDA context and the caching allocator's
+    reserve included, to read beside ``peak_device_mb`` (torch's own ``max_memory_allocated``)."""
+
+    def __init__(self) -> None:
+        self.peak_mib: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        exe = shutil.which("nvidia-smi")
+        while exe and not self._stop.wait(0.5):
+            try:
+                out = subprocess.run([exe, "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            used = [float(x) for x in out.split() if x.replace(".", "", 1).isdigit()]
+            if used:
+                self.peak_mib = max(self.peak_mib or 0.0, max(used))
+
+    def __enter__(self) -> "GpuMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
+def mfu_command(workload: str, cpu: bool) -> list[str]:
+    device = "cpu" if cpu else "cuda"
+    precisions = [p for p in MFU_PRECISIONS if not (cpu and p == "tf32")]
+    return ["run", workload, "-b", "torch", "--mode", "torch:eager", "--device", device,
+            *[a for p in precisions for a in ("--precision", p)], *MFU_SIZE]
+
+
+def measure_mfu(out: Path, timeout: float, cpu: bool) -> list[str]:
+    """``--mfu``: torch eager trains each MFU workload in each precision, alone on the GPU; the
+    markdown lines of what it measured (the timed epochs' medians; the first epoch is set apart)."""
+    commands: list[str] = []
+    lines = ["", "| workload | precision | status | train samples/s | MFU | peak (TFLOP/s) | peak source | "
+             "parity (max rel) | math_mode | data_on_device | peak_device_mb (torch) | nvidia-smi MiB (process) |",
+             "|" + " --- |" * 12]
+    for workload in MFU_WORKLOADS:
+        argv = mfu_command(workload, cpu)
+        csv, log = out / f"mfu-{workload}.csv", out / f"mfu-{workload}.log"
+        with GpuMemory() as smi:
+            rc, seconds = benchbackend(argv, csv, log, timeout)
+        print(f"mfu {workload}: benchbackend exited {rc} in {seconds:.0f} s", flush=True)
+        commands.append(f"- `benchbackend {' '.join(argv)}` (exit {rc}, {seconds:.0f} s)")
+        try:
+            df = results.read(csv)
+        except ResultsError:
+            lines.append(f"| {workload} | | no results | | | | | | | | | {cell(last_line(log))} |")
+            continue
+        for precision, rows in df.groupby("precision", sort=False):
+            timed = rows[(rows["phase"] == "train_epoch") & (rows["epoch"] > 1)]
+            status = results.worst_status(rows.loc[rows["phase"] == "run", "status"]) if (
+                rows["phase"] == "run").any() else "no_run_row"
+            parity = rows.loc[rows["phase"] == "parity", "parity_max_rel"].iloc[:1].dropna()  # the forward row
+            peak = rows["peak_flops"].dropna()
+
+            def num(series, fmt: str) -> str:
+                series = series.dropna()
+                return format(float(series.median()), fmt) if len(series) else ""
+            lines.append(" | ".join([
+                f"| {workload}", str(precision), status, num(timed["samples_per_s"], ".0f"), num(timed["mfu"], ".3f"),
+                format(float(peak.max()) / 1e12, ".1f") if len(peak) else "",
+                cell(", ".join(sorted({str(x) for x in rows["peak_source"].dropna() if str(x)}))),
+                format(float(parity.max()), ".2e") if len(parity) else "",
+                ", ".join(sorted({str(m) for m in rows["math_mode"].dropna() if m})),
+                ", ".join(sorted({str(b) for b in rows["data_on_device"].dropna()})),
+                num(rows["peak_device_mb"].dropna().iloc[-1:], ".0f"),
+                "" if smi.peak_mib is None else f"{smi.peak_mib:.0f} (whole run)"]) + " |")
+    return ["", "## MFU: torch eager, one command per workload, alone on the device", "", *commands, *lines]
+
+
+def write_report(path: Path, outcomes: list[Outcome], gpus: list[str], no_gpu: str, timeout: float,
+                 extra: Optional[list[str]] = None) -> None:
     versions = {}
     for o in outcomes:
         backend = PATHS[o.path][0]
@@ -209,12 +325,13 @@ def write_report(path: Path, outcomes: list[Outcome], gpus: list[str], no_gpu: s
         "- versions: " + ", ".join(f"{b} {v}" for b, v in versions.items()),
         f"- every run also has: `{' '.join(COMMON)} --timeout {timeout:g} -o {path.parent}/PATH.csv`",
         f"- {counts['ok']} ok, {counts['unavailable']} unavailable, {counts['skipped']} skipped, {failed} failed",
-        "", "| path | command | status | parity (max rel) | math_mode | note |", "|" + " --- |" * 6,
+        "", "| path | command | status | parity (max rel) | math_mode | data_on_device | note |", "|" + " --- |" * 7,
     ]
     for o in outcomes:
         parity = f"{o.parity:.2e}" if o.parity is not None else ""
-        lines.append(f"| {o.path} | `{o.command}` | {o.status} | {parity} | {o.math_mode} | {cell(o.note)} |")
-    path.write_text("\n".join(lines) + "\n")
+        lines.append(f"| {o.path} | `{o.command}` | {o.status} | {parity} | {o.math_mode} | {o.on_device} "
+                     f"| {cell(o.note)} |")
+    path.write_text("\n".join(lines + (extra or [])) + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -227,20 +344,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="seconds per worker (default 600)")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 when there is no GPU")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="run N paths at once (default 1; each is its own process, sharing the GPU)")
+    parser.add_argument("--mfu", action="store_true",
+                        help=f"then, alone on the GPU, train {' and '.join(MFU_WORKLOADS)} on torch eager in "
+                             f"{', '.join(MFU_PRECISIONS)}: MFU, the GEMM peak, memory (a table in the report)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="rehearse on the CPU: every run's --device becomes cpu (checks this script, not a GPU)")
     args = parser.parse_args(argv)
     out = (args.out or Path("results") / time.strftime("gpu-check-%Y%m%dT%H%M%S")).resolve()  # runs start in ROOT
     out.mkdir(parents=True, exist_ok=True)
     gpus, no_gpu = find_gpu()
+    if args.cpu:
+        gpus, no_gpu = ["cpu (a rehearsal: --cpu)"], ""
     print("device: " + ("; ".join(gpus) if gpus else no_gpu), flush=True)
-    outcomes = []
-    for name in [p for p in PATHS if not args.only or p in args.only]:
-        why = no_gpu or skip_reason(name)
-        outcome = (Outcome(name, "benchbackend " + " ".join(command_of(name)), "skipped", why) if why
-                   else run_path(name, out, args.timeout))
+    names = [p for p in PATHS if not args.only or p in args.only]
+
+    def one(name: str) -> Outcome:
+        why = no_gpu or skip_reason(name, args.cpu)
+        outcome = (Outcome(name, "benchbackend " + " ".join(command_of(name, args.cpu)), "skipped", why) if why
+                   else run_path(name, out, args.timeout, args.cpu))
         print(line_of(outcome), flush=True)
-        outcomes.append(outcome)
+        return outcome
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        outcomes = list(pool.map(one, names))
     report = out / REPORT
-    write_report(report, outcomes, gpus, no_gpu, args.timeout)
+    write_report(report, outcomes, gpus, no_gpu, args.timeout)  # now, in case the MFU runs are cut short
+    if args.mfu and not no_gpu:
+        write_report(report, outcomes, gpus, no_gpu, args.timeout, measure_mfu(out, args.timeout, args.cpu))
     print(f"report: {report}")
     return 1 if (args.require_gpu and not gpus) or not all(o.clean for o in outcomes) else 0
 

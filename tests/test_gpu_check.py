@@ -46,7 +46,7 @@ def test_no_gpu_skips_every_path_cleanly_and_writes_the_report(tmp_path):
     skipped = [line for line in r.stdout.splitlines() if line.endswith(NO_GPU)]
     assert [line.split()[0] for line in skipped] == paths
     report = (tmp_path / "out" / "gpu_check.md").read_text()
-    assert report.count(f"| skipped |  |  | {NO_GPU.split(': ', 1)[1]} |") == len(paths)
+    assert report.count(f"| skipped |  |  |  | {NO_GPU.split(': ', 1)[1]} |") == len(paths)
     assert f"0 ok, 0 unavailable, {len(paths)} skipped, 0 failed" in report
     assert not list((tmp_path / "out").glob("*.csv"))  # nothing ran
 
