@@ -148,11 +148,14 @@ def last_line(path: Path) -> str:
     return lines[-1].strip() if lines else "no output"
 
 
-def benchbackend(argv: list[str], csv: Path, log: Path, timeout: float) -> tuple[Optional[int], float]:
+def benchbackend(argv: list[str], csv: Path, log: Path, timeout: float,
+                 cache: Optional[Path] = None) -> tuple[Optional[int], float]:
     """One ``benchbackend run`` in a subprocess of its own session (so a timeout ends its worker
-    too): (its exit code or None when it did not end in time, its seconds)."""
+    too): (its exit code or None when it did not end in time, its seconds). ``cache``: its
+    ``BENCHBACKEND_CACHE`` (GEMM peaks, reference trajectories) instead of the user's."""
     csv.unlink(missing_ok=True)  # a run refused at once (exit 2) must not be judged by an older CSV
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           **({"BENCHBACKEND_CACHE": str(cache)} if cache else {})}
     limit, start = 2 * timeout + 120, time.monotonic()  # the worker's --timeout, plus the parent's own work
     common = COMMON if "--limit" not in argv else ["--no-plots", "-q", "--force"]
     with open(log, "w") as fh:
@@ -271,7 +274,11 @@ def mfu_command(workload: str, cpu: bool) -> list[str]:
 
 def measure_mfu(out: Path, timeout: float, cpu: bool) -> list[str]:
     """``--mfu``: torch eager trains each MFU workload in each precision, alone on the GPU; the
-    markdown lines of what it measured (the timed epochs' medians; the first epoch is set apart)."""
+    markdown lines of what it measured (the timed epochs' medians; the first epoch is set apart).
+    Its GEMM peaks are probed afresh, alone, in a cache of its own (``OUT/mfu-cache``): the paths'
+    runs may have shared the GPU (``--jobs``), and a probe taken beside them reads low."""
+    cache = out / "mfu-cache"
+    shutil.rmtree(cache, ignore_errors=True)
     commands: list[str] = []
     lines = ["", "| workload | precision | status | train samples/s | MFU | peak (TFLOP/s) | peak source | "
              "parity (max rel) | math_mode | data_on_device | peak_device_mb (torch) | nvidia-smi MiB (process) |",
@@ -280,7 +287,7 @@ def measure_mfu(out: Path, timeout: float, cpu: bool) -> list[str]:
         argv = mfu_command(workload, cpu)
         csv, log = out / f"mfu-{workload}.csv", out / f"mfu-{workload}.log"
         with GpuMemory() as smi:
-            rc, seconds = benchbackend(argv, csv, log, timeout)
+            rc, seconds = benchbackend(argv, csv, log, timeout, cache)
         print(f"mfu {workload}: benchbackend exited {rc} in {seconds:.0f} s", flush=True)
         commands.append(f"- `benchbackend {' '.join(argv)}` (exit {rc}, {seconds:.0f} s)")
         try:
