@@ -136,3 +136,23 @@ def test_tensorflow_bf16_computes_in_bfloat16_with_float32_output() -> None:
     assert b.model.layers[-1].compute_dtype == "float32"  # the softmax, as Keras advises
     out = b.scores(b.to_device(np.zeros((2, *w.input_shape), np.float32)), 2)
     assert out.dtype.name == "float32" and np.allclose(b.to_host(out).sum(1), 1.0, atol=1e-6)
+
+
+@requires_torch
+def test_torch_bf16_resnet20_trajectory_passes_its_bound(tmp_path: Path) -> None:
+    """Issue 42's GPU run: correct bf16 training of resnet20 (torch on an H100, and on a CPU) parts
+    from the float64 reference by 2.9e-2 at step 2, past the default bf16 bound (measured on
+    cifar10: 1.25e-2 there), so every bf16 resnet20 cell read parity_mismatch. resnet20 declares its
+    own bf16 bound (workloads/resnet20.yaml, measured over torch, TensorFlow and JAX)."""
+    resnet = W.load("resnet20").with_overrides(limit=640, epochs=1)
+    data = Path(job_arrays(tmp_path, resnet))
+    msgs: list[dict[str, Any]] = []
+    run_job(Job.for_spec(backends.get("torch"), resnet, mode="eager", precision="bf16", data=str(data), repeat=0,
+                         parity_steps=2), msgs.append)
+    raw = next(m for m in msgs if m.get("phase") == "parity" and m.get("steps"))
+    traj = checks.trajectory(raw, resnet, "bf16")
+    assert traj["parity_step"] is None, traj["notes"]
+    assert traj["parity_max_rel"] > 1e-3, traj  # bf16 really ran, and step 2 is past the default bound
+    # The bound is resnet20's own: the default bf16 bound would fail this correct run at step 2.
+    default = resnet.model_copy(update={"checks": resnet.checks.model_copy(update={"trajectory_tolerance": {}})})
+    assert checks.trajectory(raw, default, "bf16")["parity_step"] == 2
