@@ -109,6 +109,19 @@ def forget(k: str) -> bool:
     return True
 
 
+def sharers(device: str) -> float:
+    """Other processes on GPU ``device`` (``gpu:N``) now, by NVML; 0 on a CPU or where NVML cannot
+    tell. A GEMM probe taken beside them reads low (on the H100 of issue 42, torch's fp32 probe read
+    23 TFLOP/s while three other runs shared the GPU, 52 alone), and a low peak is never replaced
+    by a better one unless a row shows MFU above 100%: such a probe serves its cell, uncached."""
+    kind, _, index = device.partition(":")
+    if kind != "gpu":
+        return 0.0
+    from .machine import gpu_readings
+
+    return gpu_readings(int(index or 0)).get("gpu_other_procs") or 0.0
+
+
 def numpy_gemm_peak(precision: str) -> Optional[float]:
     """NumPy's own GEMM probe on this CPU, for the cells of a backend without a probe of its own
     (ONNX Runtime, OpenVINO, TVM, the reference, Keras 3, Chainer, PlaidML): float32 or float64,
