@@ -66,7 +66,10 @@ PATHS: dict[str, tuple[str, list[str]]] = {
     "torch-sdpa-vit": ("torch", ["--mode", "torch:sdpa", "--device", "cuda"]),
     "torch-bf16-resnet8": ("torch", ["--mode", "torch:eager", "--precision", "bf16", "--device", "cuda"]),
     "torch-cuda1": ("torch", ["--mode", "torch:eager", "--device", "cuda:1"]),
+    "torch-nccl-2": ("torch", ["--mode", "torch:eager", "--replicas", "2", "--device", "cuda"]),
 }
+#: Paths that need more than one GPU: skipped, with the count, where nvidia-smi lists fewer.
+MIN_GPUS = {"torch-nccl-2": 2}
 #: The paths that run another workload than mnist.
 WORKLOAD_OF = {"torch-sdpa-vit": "vit-tiny", "torch-bf16-resnet8": "resnet8"}
 #: A path whose device may be absent: on a machine without it, the run must refuse it cleanly (a cell
@@ -125,9 +128,11 @@ def command_of(name: str, cpu: bool = False) -> list[str]:
             *(["--parity-steps", "5"] if spec.trains else ["--inference-only"])]
 
 
-def skip_reason(name: str, cpu: bool = False) -> str:
+def skip_reason(name: str, cpu: bool = False, gpus: int = 1) -> str:
     """Why this path cannot run here, known without running it ("" if it can)."""
     backend, args = PATHS[name]
+    if not cpu and gpus < MIN_GPUS.get(name, 1):
+        return f"needs {MIN_GPUS[name]} GPUs; nvidia-smi lists {gpus}"
     if cpu:
         args = ["--device", "cpu"]
     try:
@@ -136,7 +141,7 @@ def skip_reason(name: str, cpu: bool = False) -> str:
         return str(exc)
     why = backends.problem(spec)
     if why:
-        return f"{backend} is not installed here ({why}): {spec.install}"
+        return f"{why if why.startswith(backend) else f'{backend}: {why}'} here: {spec.install}"
     device = args[args.index("--device") + 1]
     if not spec.accepts(device):
         return f"the {backend} adapter takes --device {', '.join(spec.devices)}, not {device}"
@@ -368,7 +373,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     names = [p for p in PATHS if not args.only or p in args.only]
 
     def one(name: str) -> Outcome:
-        why = no_gpu or skip_reason(name, args.cpu)
+        why = no_gpu or skip_reason(name, args.cpu, len(gpus))
         outcome = (Outcome(name, "benchbackend " + " ".join(command_of(name, args.cpu)), "skipped", why) if why
                    else run_path(name, out, args.timeout, args.cpu))
         print(line_of(outcome), flush=True)

@@ -75,6 +75,8 @@ def test_with_a_gpu_a_path_that_cannot_run_here_is_skipped_without_a_run(tmp_pat
     assert r.stdout.startswith("device: Fake GPU, 1024 MiB, 9.0, 1.0")
     assert "tvm            skipped: " in r.stdout  # its adapter takes cpu only (or tvm is not installed)
     assert not (tmp_path / "out" / "tvm.log").exists()
+    r = _check(tmp_path, "--only", "torch-nccl-2", nvidia_smi="echo 'Fake GPU, 1024 MiB, 9.0, 1.0'")
+    assert r.returncode == 0 and "torch-nccl-2   skipped: needs 2 GPUs; nvidia-smi lists 1" in r.stdout
 
 
 def _cell_csv(path: Path, device: str, status: str, message: str = "") -> Path:
