@@ -24,12 +24,26 @@ os.environ["BENCHBACKEND_CACHE"] = str(ROOT / ".pytest_cache" / "d" / "benchback
 #: test_keras3, test_run, test_fast_modes and test_graph_backends: 193 s against 135 s). The
 #: product's own default (all cores for the one cell that runs) is tested where it is measured,
 #: by the quiet-machine tests, which run without xdist.
+#: XLA's LLVM backend at optimization level 0 too: a test's tiny networks spend most of their JAX
+#: time compiling (test_decoder_jax's parity and bf16 tests: 26.8 s at the default level, 17.1 s at
+#: 0, every check passing). The level is LLVM's code generation, not XLA's fusion or its numerics
+#: (no fast math either way); the product's runs keep XLA's default.
 ONE_CORE = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
-            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"}
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for _var, _value in ONE_CORE.items():
         os.environ.setdefault(_var, _value)
+
+#: The slowest test files (by the sum of their tests' --durations, measured 2026-11-27 in CI's
+#: command), which collection puts first: ``--dist loadfile`` hands whole files to the two test
+#: processes in collection order, so a heavy file collected last ran alone at the end while the
+#: other process sat idle (alphabetically, the ViT files came last).
+HEAVY_FIRST = ("test_decoder_jax.py", "test_vit_backends.py", "test_keras3.py", "test_contract.py",
+               "test_ray_train.py", "test_graph_backends.py", "test_decoder_keras.py", "test_ray_nodes.py",
+               "test_decoder_torch.py", "test_replicas_keras.py", "test_replicas.py", "test_plaidml.py",
+               "test_report_text.py", "test_jax.py", "test_peaks.py", "test_fast_modes.py",
+               "test_replicas_jax.py", "test_vit_onnx.py", "test_tvm.py", "test_vit_torch.py", "test_vit_jax.py")
 
 #: The ONNX Runtime/OpenVINO tests run in a pytest of their own (tests/test_isolated.py starts it,
 #: setting BENCHBACKEND_ISOLATED): this session does not collect them, rather than skip them.
@@ -103,6 +117,13 @@ def isolated_env(envs_root: Path, backend: str) -> dict[str, str]:
 
 requires_torch = requires("torch")
 requires_tf = requires("tensorflow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files of ``HEAVY_FIRST`` first, in its order; every other file after them, as collected
+    (a stable sort: a file's tests keep their order)."""
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.hookimpl(hookwrapper=True)

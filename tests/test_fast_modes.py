@@ -145,6 +145,8 @@ def test_torch_bf16_resnet20_trajectory_passes_its_bound(tmp_path: Path) -> None
     cifar10: 1.25e-2 there), so every bf16 resnet20 cell read parity_mismatch. resnet20 declares its
     own bf16 bound (workloads/resnet20.yaml, measured over torch, TensorFlow and JAX)."""
     resnet = W.load("resnet20").with_overrides(limit=640, epochs=1)
+    resnet = resnet.model_copy(update={"data": resnet.data.model_copy(update={"validation": 32, "test": 32}),
+                                       "inference": resnet.inference.model_copy(update={"repeats": 1})})
     data = Path(job_arrays(tmp_path, resnet))
     msgs: list[dict[str, Any]] = []
     run_job(Job.for_spec(backends.get("torch"), resnet, mode="eager", precision="bf16", data=str(data), repeat=0,

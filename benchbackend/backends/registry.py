@@ -149,7 +149,10 @@ BACKENDS: dict[str, BackendSpec] = {
                     env=_plaidml_env, isolated_env="plaidml", devices=("cpu", "gpu", "opencl", "<PlaidML device id>"),
                     builds_note="PlaidML 0.7's Tile language has no erf (a Tile `erf(I)` aborts the process), so "
                                 "the exact GELU has no op to be built from; Keras 2.2.4 has no LayerNormalization "
-                                "or MultiHeadAttention and no decoupled weight decay (vit-tiny's AdamW) either"),
+                                "or MultiHeadAttention and no decoupled weight decay (vit-tiny's AdamW) either; a "
+                                "decoder's words (embedding, RMSNorm, causal attention, RoPE, the tied dense) "
+                                "would each be a custom Keras 2.2.4 layer in PlaidML's backend ops, not written "
+                                "for a framework whose last release was in 2020"),
     ]
 }
 
