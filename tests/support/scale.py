@@ -42,6 +42,13 @@ def plan(folder: Path, cells: int, definitions: int = 4) -> planning.RunPlan:
                             repeats=cells // definitions, data_source="synthetic")
 
 
+#: The head declares a node dead after 3 failed health checks 0.5 s apart, not Ray's default 5
+#: checks 3 s apart (10 s timeouts): the tests that remove a node mid-cell waited out that
+#: default, 20-28 s each. The executor's handling of a lost node is the same either way.
+FAST_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_timeout_ms": 500,
+              "health_check_failure_threshold": 3}
+
+
 @contextmanager
 def simulated_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[Any]:
     """A local Ray cluster of ``nodes`` worker nodes (processes on this machine) behind a head that
@@ -49,7 +56,8 @@ def simulated_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "_system_config": FAST_DEATH})
     try:
         for _ in range(nodes):
             cluster.add_node(num_cpus=cpus_per_node)
