@@ -142,7 +142,7 @@ BACKENDS: dict[str, BackendSpec] = {
                            Mode("ideep", "define-by-run on Intel iDeep (MKL-DNN) kernels; needs ideep4py "
                                          "(no wheels for Python >= 3.8)")),
                     optional=("cupy",), isolated_env="chainer", devices=("cpu", *_GPU),
-                    builds=CNN_LAYERS + TRANSFORMER_LAYERS),
+                    builds=CNN_LAYERS + TRANSFORMER_LAYERS + DECODER_LAYERS),
         BackendSpec("plaidml", _adapter("plaidml.adapter", "PlaidMLBackend"), ("plaidml",), "plaidml",
                     "benchbackend setup plaidml", "PlaidML 0.7 + Keras 2.2.4 (OpenCL, LLVM CPU)",
                     modes=(Mode("keras2", "Keras 2.2.4 train_on_batch/predict, batches fed from host memory"),),

@@ -9,6 +9,10 @@ Modes:
   Chainer's own example does; not ``__call__``). The first call of each input shape traces a
   schedule, later calls replay it. The loss stays define-by-run, outside the static chain.
 - ``ideep``: define-by-run with Intel's iDeep (MKL-DNN) kernels, when ``ideep4py`` is installed.
+
+A language model (``workload.next_token``) takes token ids (N, T) as they come (float32 whole
+numbers; the embedding casts them) and outputs (N, T, vocab): the loss is the mean cross-entropy
+over every position, the accuracy the share of positions whose top score is the label.
 """
 from __future__ import annotations
 
@@ -167,7 +171,10 @@ class ChainerBackend(CupyMemory, Backend):
         return a if self.data_on_device else self.device.send(a)
 
     def to_device(self, x: np.ndarray) -> Any:
-        return self._held(np.ascontiguousarray(np.asarray(x, np.float32).transpose(0, 3, 1, 2)))
+        x = np.asarray(x, np.float32)
+        if x.ndim != 4:  # token ids (N, T) or features: as they are
+            return self._held(np.ascontiguousarray(x))
+        return self._held(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
 
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         self.x_train = self.to_device(x_train)
@@ -196,7 +203,8 @@ class ChainerBackend(CupyMemory, Backend):
         # constant in define-by-run, where nothing needs d(loss)/dx.
         xv = x if self.net.static else chainer.Variable(x, requires_grad=False)
         logits = self.net.forward(xv, *self._masks(len(x), unit_masks))
-        loss = F.softmax_cross_entropy(logits, y)
+        # Per sample, or per position of a token sequence: (N, T, V) scores as N*T rows, the mean over all.
+        loss = F.softmax_cross_entropy(F.reshape(logits, (-1, logits.shape[-1])), y.reshape(-1))
         if self.l2:  # Keras' L2 kernel regularizer, in the loss
             loss = loss + self.l2 * sum(F.sum(k * k) for k in self.net.kernels())
         self.net.cleargrads()
@@ -218,9 +226,9 @@ class ChainerBackend(CupyMemory, Backend):
                 yb = self._feed(y[start:start + bs])
                 loss, logits = self._step(self._feed(x[start:start + bs]), yb)
                 losses.append(loss * len(yb))
-                correct.append((logits.argmax(axis=1) == yb).sum())
+                correct.append((logits.argmax(axis=-1) == yb).sum())  # a class per sample, or per position
         xp, n = self.xp, max(len(order), 1)
-        return xp.stack(losses).sum() / n, xp.stack(correct).sum() / n
+        return xp.stack(losses).sum() / n, xp.stack(correct).sum() / max(y.size, 1)
 
     def scores(self, x: Any, batch_size: int) -> Any:
         assert self.net is not None
@@ -229,9 +237,9 @@ class ChainerBackend(CupyMemory, Backend):
             for start in range(0, len(x), batch_size):
                 xb = self._feed(x[start:start + batch_size])
                 logits = self.net.forward(chainer.Variable(xb, requires_grad=False))
-                outs.append((F.softmax(logits, axis=1) if self.softmax_out else logits).array)
+                outs.append((F.softmax(logits, axis=-1) if self.softmax_out else logits).array)
         if not outs:
-            return self.xp.zeros((0, self.workload.num_classes), np.float32)
+            return self.xp.zeros((0, *self.net.graph.output.out_shape), np.float32)
         return self.xp.concatenate(outs)
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
@@ -253,7 +261,7 @@ class ChainerBackend(CupyMemory, Backend):
                                           *self._masks(len(x), True))
         finally:
             self.net.set_update(True)
-        return (F.softmax(logits, axis=1) if self.softmax_out else logits).array
+        return (F.softmax(logits, axis=-1) if self.softmax_out else logits).array
 
     def to_host(self, value: Any) -> Any:
         host = cuda.to_cpu(value) if self.gpu else value

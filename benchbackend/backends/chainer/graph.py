@@ -12,11 +12,16 @@ Where Chainer's defaults differ from the reference's, this module converts:
 - Nesterov's SGD (:class:`KerasNesterov`): Chainer's ``NesterovAG`` steps by
   ``momentum**2 * v - (1 + momentum) * lr * g`` with the new ``v``, Keras by ``momentum * v - lr * g``;
 - the transformer layers: ``chainer_transformer`` (a dense layer on tokens is ``L.Linear`` on the
-  last axis, ``n_batch_axes=2``).
+  last axis, ``n_batch_axes=2``);
+- the decoder's layers (embedding, rmsnorm, attention with a causal mask, grouped key/value heads,
+  rotary positions or no biases, a dense layer tied to an embedding): ``chainer_decoder``; ``silu`` is
+  ``x * sigmoid(x)``, ``multiply`` the inputs' elementwise product, and a dense layer with
+  ``use_bias: false`` an ``L.Linear`` without one.
 """
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable, Iterator
 
 import chainer
@@ -25,6 +30,7 @@ import chainer.links as L
 import numpy as np
 from chainer.optimizers.momentum_sgd import MomentumSGD, MomentumSGDRule
 
+from ...spec import layers
 from ...spec.graph import INPUT, Graph, Node
 from ...spec.layers import (
     TOKEN_LAYERS,
@@ -37,12 +43,15 @@ from ...spec.layers import (
     Flatten,
     GlobalAvgPool,
     MaxPool2D,
+    Multiply,
     gelu_approximate,
 )
+from .decoder import decoder_op, is_decoder_attention
 from .transformer import TokenLink, gelu, token_op
 
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
-    "relu": F.relu, "tanh": F.tanh, "sigmoid": F.sigmoid, "softmax": lambda h: F.softmax(h, axis=1)}
+    "relu": F.relu, "tanh": F.tanh, "sigmoid": F.sigmoid, "softmax": lambda h: F.softmax(h, axis=1),
+    "silu": lambda h: h * F.sigmoid(h)}
 Op = Callable[[list, Iterator[Any]], Any]
 
 
@@ -150,8 +159,13 @@ class GraphChain(chainer.Chain):
                 return lambda ins, masks: link(ins[0])
             widths = ((0, 0), (0, 0), (top, bottom), (left, right))  # TF puts the odd pixel after
             return lambda ins, masks: link(F.pad(ins[0], widths, "constant"))
+        if (isinstance(layer, (layers.Embedding, layers.RMSNorm)) or is_decoder_attention(layer)
+                or (isinstance(layer, Dense) and node.tied is not None)):
+            holder, op = decoder_op(node, self.holders)
+            setattr(self, f"l{i}", holder)
+            return op
         if isinstance(layer, Dense):
-            link = L.Linear(node.in_shape[-1], layer.units)
+            link = L.Linear(node.in_shape[-1], layer.units, nobias=not layer.use_bias)
             setattr(self, f"l{i}", link)
             axes = len(node.in_shape)  # 2 on tokens (N, T, d): the last axis
             return lambda ins, masks: link(ins[0], n_batch_axes=axes)
@@ -168,6 +182,8 @@ class GraphChain(chainer.Chain):
             return self._pool(node)
         if isinstance(layer, Add):
             return lambda ins, masks: sum(ins[1:], ins[0])
+        if isinstance(layer, Multiply):
+            return lambda ins, masks: functools.reduce(operator.mul, ins)
         if isinstance(layer, GlobalAvgPool):
             axes = 1 if len(node.in_shape) == 2 else (2, 3)  # over the tokens, or over H and W
             return lambda ins, masks: F.average(ins[0], axis=axes)
