@@ -268,7 +268,10 @@ class JaxBackend(Backend):
         self._predict, self._predict_block, self._gather = predict, predict_block, gather
         self._train_probs = train_probs
         self.params = [jax.device_put(np.asarray(w, np.float32), self.device) for w in weights]
-        self.opt = _init_state(t.optimizer, t.momentum, split(self.params)[0])
+        # Committed to the device as the train step's outputs are: Adam's step count was made on the
+        # default device, uncommitted, so the epoch after the first (whose state is the step's output)
+        # compiled the step again: 27 s of gpt-nano's second epoch under scan (one block per epoch).
+        self.opt = jax.device_put(_init_state(t.optimizer, t.momentum, split(self.params)[0]), self.device)
         self.key = jax.device_put(jax.random.key(self.workload.seed), self.device)
         self.step_count = 0  # global step: the dropout key of step i is fold_in(key, i) in both modes
         self._pending = self.params
