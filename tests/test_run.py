@@ -103,6 +103,21 @@ def test_timeout_is_a_row_and_the_run_goes_on(tmp_path):
     assert "past --timeout 0.5s" in df[df.phase == "run"]["message"].iloc[0]
 
 
+def test_a_timeout_says_after_which_row_it_came() -> None:
+    """A timed-out gpt2-124m TVM cell read "worker ran past --timeout 900s; stderr: ... Warning: Fast mode
+    segfaults when there are out-of-bounds indices": stderr's tail, not what was running. Now the
+    message names the last row the worker sent, before that tail."""
+    from benchbackend.run import launch
+
+    state = launch._State()
+    assert launch._State().outcome(None, 5, "").message == "worker ran past --timeout 5s (before its first row)"
+    for line in ('{"type": "row", "phase": "parity"}', '{"type": "row", "phase": "inference", "pass": 1}'):
+        assert launch._parse(None, line, state) is not None
+    out = state.outcome(None, 900, "; stderr: Warning: Fast mode segfaults")
+    assert (out.status, out.message) == ("timeout", "worker ran past --timeout 900s (after its inference pass 1 "
+                                                     "row); stderr: Warning: Fast mode segfaults")
+
+
 FAKE_WORKER = """#!/bin/sh
 cat > /dev/null
 echo '{"type": "info", "backend_version": "9.9", "device": "cpu", "mode": "fake", "python": "3"}'

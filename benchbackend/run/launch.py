@@ -174,12 +174,15 @@ class _State:
     ended: bool = False
     error: Optional[str] = None
     unavailable: Optional[str] = None
+    #: The last row the worker sent ("inference pass 1"): a timeout happened in the work after it.
+    last: str = ""
 
     def outcome(self, returncode: Optional[int], timeout: Optional[float], stderr: str) -> Outcome:
         if self.unavailable is not None:
             return Outcome("unavailable", self.unavailable, returncode)
-        if not self.ended:
-            return Outcome("timeout", f"worker ran past --timeout {timeout:g}s" + stderr, None)
+        if not self.ended:  # stderr's tail is a killed worker's last words, rarely the reason: the place comes first
+            after = f" (after its {self.last} row)" if self.last else " (before its first row)"
+            return Outcome("timeout", f"worker ran past --timeout {timeout:g}s{after}" + stderr, None)
         if self.error is not None or returncode != 0:
             return Outcome("crashed", (self.error or f"worker exited with code {returncode}") + stderr, returncode)
         return Outcome("done", "", 0)
@@ -238,6 +241,7 @@ def _parse(cell: "Cell", line: str, state: _State) -> Optional[Message]:
         return None
     kind = msg.pop("type", None)
     if kind == "row":
+        state.last = " ".join([str(msg.get("phase", "")), *(f"{k} {msg[k]}" for k in ("epoch", "pass") if msg.get(k))])
         return Row(cell, msg)
     if kind == "info":
         return Info(cell, backend_version=str(msg.get("backend_version", "")), device=str(msg.get("device", "")),
