@@ -3,6 +3,7 @@ repeat is still its own process with its own result, and no preloader outlives i
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -96,6 +97,45 @@ def test_a_preloader_exits_when_its_parent_goes(tmp_path: Path) -> None:
                        "benchbackend.backends.numpy.reference:NumpyBackend")
     server.sock.close()
     assert server.proc.wait(timeout=30) == 0
+
+
+def test_a_parent_gone_while_its_worker_runs_takes_the_worker_and_the_preloader_with_it(tmp_path: Path) -> None:
+    """The parent killed (SIGKILL, a Ray node removed) while a forked worker runs: the preloader used
+    to wait for that worker (a cell's whole run) before it saw its parent gone, and both stayed as
+    orphans. Here the worker waits for a job that never comes; the parent's end closes."""
+    import tempfile
+
+    server = Preloader(launch.python_for(backends.get("numpy")), launch.worker_environ(backends.get("numpy")),
+                       "benchbackend.backends.numpy.reference:NumpyBackend")
+    with tempfile.TemporaryFile("w") as err:
+        worker = server.start(err, 60)
+        os.kill(worker.pid, 0)  # running (it waits for its job)
+        server.sock.close()  # as a SIGKILLed parent's end closes
+        assert server.proc.wait(timeout=30) == 0
+        assert _gone(worker.pid, 30), "the worker outlived its parent"
+        worker.stdin.close()
+        worker.stdout.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_dies_with_its_preloader(tmp_path: Path) -> None:
+    """Ray kills a worker's children when its node goes: the preloader, but not the worker it forked
+    (a session of its own), which slept on as an orphan after the node-removal tests."""
+    import signal
+    import tempfile
+
+    server = Preloader(launch.python_for(backends.get("numpy")), launch.worker_environ(backends.get("numpy")),
+                       "benchbackend.backends.numpy.reference:NumpyBackend")
+    with tempfile.TemporaryFile("w") as err:
+        worker = server.start(err, 60)
+        os.kill(worker.pid, 0)  # running (it waits for its job)
+        os.kill(server.proc.pid, signal.SIGKILL)  # the preloader alone, not its group
+        server.proc.wait(timeout=30)
+        assert _gone(worker.pid, 30), "the worker outlived its preloader"
+        assert server.exit_code(worker.pid) == -signal.SIGKILL
+        worker.stdin.close()
+        worker.stdout.close()
+    server.close()
 
 
 def test_a_worker_that_hangs_is_killed_at_the_timeout(tmp_path: Path) -> None:

@@ -13,18 +13,21 @@ Protocol, over a Unix socket pair: the parent sends ``run`` with the worker's st
 stderr descriptors; the preloader forks, answers ``pid N`` once the worker leads its own process
 group (so that the parent's kill of that group always reaches it), waits for the worker, and answers
 ``exit N CODE``. One worker at a time per preloader. The preloader exits when the parent's end
-closes (the parent ended, even by SIGKILL).
+closes (the parent ended, even by SIGKILL), killing the worker it was running, if any.
 
 ``python -m benchbackend.run.preload SOCKET_FD MODULE:CLASS`` is the preloader. Only for CPU cells:
 forking after a GPU runtime has loaded is not safe in every framework, so GPU cells start fresh.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import IO, Mapping, Optional
 
 #: Seconds the parent waits for a preloader's answer before it counts the start as failed.
@@ -55,6 +58,7 @@ class Preloader:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
         self._buffer = b""
+        self.running: Optional[int] = None  # the worker forked last, until its exit is read
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -75,6 +79,7 @@ class Preloader:
             os.close(in_w)
             os.close(out_r)
             raise
+        self.running = pid
         return Forked(self, pid, os.fdopen(in_w, "w"), os.fdopen(out_r, "r"))
 
     def exit_code(self, pid: int) -> int:
@@ -83,6 +88,7 @@ class Preloader:
         except OSError:
             return -signal.SIGKILL  # the preloader died with its worker
         assert int(got) == pid, (got, pid)
+        self.running = None
         return int(code)
 
     def _answer(self, kind: str, timeout: Optional[float]) -> list[str]:
@@ -103,11 +109,14 @@ class Preloader:
         return rest
 
     def close(self) -> None:
+        """Kill the preloader and the worker it runs, if any (that worker leads a session of its own,
+        out of the preloader's group: killed with the preloader alone, it ran on as an orphan)."""
         self.sock.close()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        for group in (self.running, self.proc.pid):
+            if group is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signal.SIGKILL)
+        self.running = None
         self.proc.wait()
 
 
@@ -162,10 +171,11 @@ def serve(sock: socket.socket) -> None:
         if not message:
             return
         ready_r, ready_w = os.pipe()
+        me = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
-            _worker(sock, fds, ready_w)
+            _worker(sock, fds, ready_w, me)
         os.close(ready_w)
         for fd in fds:
             os.close(fd)
@@ -174,16 +184,58 @@ def serve(sock: socket.socket) -> None:
         os.read(ready_r, 1)
         os.close(ready_r)
         sock.sendall(f"pid {pid}\n".encode())
-        _, status = os.waitpid(pid, 0)
+        status = _wait(sock, pid)
+        if status is None:  # the parent is gone: so are its worker and this preloader
+            return
         sock.sendall(f"exit {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
 
 
-def _worker(sock: socket.socket, fds: list[int], ready: int) -> None:
+def _wait(sock: socket.socket, pid: int) -> Optional[int]:
+    """The worker's wait status; or, when the parent's end closes first (the parent was killed, even
+    by SIGKILL, while the worker ran), None after killing the worker's process group. A worker left
+    to run on was an orphan computing for no one: after the Ray tests that remove a node, such
+    workers and their preloaders stayed until their work ended."""
+    watch = select.poll()
+    watch.register(sock, select.POLLIN | select.POLLHUP)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if watch.poll(200):
+            try:
+                gone = sock.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                gone = True
+            if gone:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return None
+            time.sleep(0.2)  # a request while a worker runs is not in the protocol: leave it, wait on
+
+
+def _die_with(parent: int) -> None:
+    """Linux: SIGKILL this process when ``parent`` (the preloader, single-threaded) dies. Ray kills a
+    worker's child processes when its node goes, the preloader among them, and a forked worker, in
+    a session of its own, ran on as an orphan (the Ray node-removal tests left such workers
+    sleeping); its exit is read as ``-SIGKILL`` ("the preloader died with its worker") either way."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: the worker outlives a killed preloader
+    if os.getppid() != parent:  # the preloader died before the line above
+        os._exit(1)
+
+
+def _worker(sock: socket.socket, fds: list[int], ready: int, preloader: int) -> None:
     """In the forked child: become ``python -m benchbackend.run.worker`` on the given descriptors;
     ``ready`` is closed once it leads its own session and process group."""
     code = 1
     try:
         sock.close()
+        _die_with(preloader)
         os.setsid()  # its own process group, which the parent kills on timeout or Ctrl-C
         os.close(ready)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
