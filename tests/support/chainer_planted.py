@@ -10,7 +10,8 @@ import numpy as np
 
 from benchbackend.backends.chainer import graph as chainer_graph
 from benchbackend.backends.chainer.adapter import ChainerBackend
-from benchbackend.backends.chainer.transformer import Attention, LayerNorm, gelu
+from benchbackend.backends.chainer.decoder import Attention
+from benchbackend.backends.chainer.transformer import LayerNorm, gelu
 
 
 class ChainerEpsilon(ChainerBackend):

@@ -12,8 +12,9 @@ module converts:
   too, so ``static_graph`` records it) sums each id's positions into the table's row;
 - ``rmsnorm`` (:class:`RMSNorm`): ``x / sqrt(mean(x^2) + epsilon) * s``, ``s = w`` or ``1 + w``
   (:func:`rms_scale`), the spec's epsilon;
-- attention (:class:`DecoderAttention`): its four ``L.Linear`` hold ``(out, in)``, the canonical
-  kernels' transpose; heads-major columns; rotary positions (:func:`rope_tables`,
+- attention (:class:`Attention`, the one self-attention: a ViT's plain one is the case without the
+  decoder's fields): its four ``L.Linear`` hold ``(out, in)``, the canonical kernels' transpose
+  (``TRANSPOSED`` flags them for loading and reading back); heads-major columns; rotary positions (:func:`rope_tables`,
   :func:`rope_rotate`) on q and k after their projection, at positions 0..T-1; key/value head
   ``h // (heads // kv_heads)`` for query head h (:func:`repeat_kv`: ``F.repeat``, blocks); the
   causal mask (:func:`causal_mask`, key j <= query i) added as 0 / -inf before the softmax over the
@@ -219,10 +220,10 @@ class RMSNorm(TokenLink):
 
 
 # --- attention ---------------------------------------------------------------------------------------
-class DecoderAttention(TokenLink):
-    """Self-attention of (N, T, d) with the decoder's fields, on the canonical arrays: q, k, v, o
-    kernels (``kv_heads * head_dim`` wide for k and v), each followed by its bias unless ``use_bias``
-    is off. Per query head ``softmax(q k^T / sqrt(head_dim) + mask) v``, the heads merged in head
+class Attention(TokenLink):
+    """Self-attention of (N, T, d), a ViT's or, with the decoder's fields, a decoder's, on the canonical
+    arrays: q, k, v, o kernels (``kv_heads * head_dim`` wide for k and v), each followed by its bias
+    unless ``use_bias`` is off. Per query head ``softmax(q k^T / sqrt(head_dim) + mask) v``, the heads merged in head
     order, then the output projection."""
 
     def __init__(self, d: int, tokens: int, layer: layers.Attention):
@@ -278,15 +279,10 @@ class DecoderAttention(TokenLink):
         return [proj.W for proj in (self.q, self.k, self.v, self.o)]
 
 
-def is_decoder_attention(layer: Any) -> bool:
-    """An attention layer with any of the decoder's fields (the ViT's plain one is ``transformer.Attention``)."""
-    return isinstance(layer, layers.Attention) and (layer.causal or layer.rope is not None
-                                                    or layer.groups != layer.heads or not layer.use_bias)
-
-
 def decoder_op(node: Node, holders: list[Any]) -> tuple[Any, Op]:
-    """(the link holding ``node``'s weights, its op) for an embedding, an rmsnorm, a decoder attention
-    or a tied dense layer (``holders``: the links of the earlier nodes, the tied embedding's among them)."""
+    """(the link holding ``node``'s weights, its op) for an embedding, an rmsnorm, an attention (a
+    ViT's or a decoder's) or a tied dense layer (``holders``: the links of the earlier nodes, the tied
+    embedding's among them)."""
     layer = node.layer
     link: TokenLink
     if isinstance(layer, layers.Embedding):
@@ -295,7 +291,7 @@ def decoder_op(node: Node, holders: list[Any]) -> tuple[Any, Op]:
         link = RMSNorm(node.in_shape[-1], layer.epsilon, layer.scale == "one_plus_w")
     elif isinstance(layer, layers.Attention):
         t, d = node.in_shape
-        link = DecoderAttention(d, t, layer)
+        link = Attention(d, t, layer)
     elif isinstance(layer, layers.Dense) and node.tied is not None:
         link = TiedDense(holders[node.tied], layer.units, layer.use_bias)
     else:

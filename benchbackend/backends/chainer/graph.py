@@ -13,10 +13,10 @@ Where Chainer's defaults differ from the reference's, this module converts:
   ``momentum**2 * v - (1 + momentum) * lr * g`` with the new ``v``, Keras by ``momentum * v - lr * g``;
 - the transformer layers: ``chainer_transformer`` (a dense layer on tokens is ``L.Linear`` on the
   last axis, ``n_batch_axes=2``);
-- the decoder's layers (embedding, rmsnorm, attention with a causal mask, grouped key/value heads,
-  rotary positions or no biases, a dense layer tied to an embedding): ``chainer_decoder``; ``silu`` is
-  ``x * sigmoid(x)``, ``multiply`` the inputs' elementwise product, and a dense layer with
-  ``use_bias: false`` an ``L.Linear`` without one.
+- attention (a ViT's, or a decoder's with a causal mask, grouped key/value heads, rotary positions
+  or no biases) and the decoder's other layers (embedding, rmsnorm, a dense layer tied to an
+  embedding): ``decoder.py``; ``silu`` is ``x * sigmoid(x)``, ``multiply`` the inputs' elementwise
+  product, and a dense layer with ``use_bias: false`` an ``L.Linear`` without one.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from ...spec.layers import (
     Multiply,
     gelu_approximate,
 )
-from .decoder import decoder_op, is_decoder_attention
+from .decoder import decoder_op
 from .transformer import TokenLink, gelu, token_op
 
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
@@ -159,7 +159,7 @@ class GraphChain(chainer.Chain):
                 return lambda ins, masks: link(ins[0])
             widths = ((0, 0), (0, 0), (top, bottom), (left, right))  # TF puts the odd pixel after
             return lambda ins, masks: link(F.pad(ins[0], widths, "constant"))
-        if (isinstance(layer, (layers.Embedding, layers.RMSNorm)) or is_decoder_attention(layer)
+        if (isinstance(layer, (layers.Embedding, layers.RMSNorm, layers.Attention))
                 or (isinstance(layer, Dense) and node.tied is not None)):
             holder, op = decoder_op(node, self.holders)
             setattr(self, f"l{i}", holder)

@@ -7,9 +7,7 @@ Where Chainer's defaults differ from the reference's conventions, this module co
   row-major with the channels last, as the reference's NHWC reshape;
 - layernorm (:class:`LayerNorm`): ``F.layer_normalization`` (2-D input, biased variance) on the tokens
   reshaped to (N*T, d), with the spec's epsilon (``L.LayerNormalization`` defaults to 1e-6);
-- attention (:class:`Attention`): four ``L.Linear`` projections, whose ``W`` is (out, in), the canonical
-  kernels' transpose (``TRANSPOSED`` flags them for loading and reading back); heads-major columns;
-  scores scaled by 1/sqrt(head_dim) and ``F.softmax`` over the keys;
+- attention: ``decoder.Attention`` (the ViT's is its case without causal mask, RoPE or grouped heads);
 - GELU (:func:`gelu`): exact ``x * Phi(x)`` by default; tanh form only when the spec asks. Chainer's
   ``F.erf`` on the CPU is ``numpy.vectorize(math.erf)`` without SciPy (one Python call per element:
   the Chainer environment has no SciPy), so the exact form is a function node of its own, on
@@ -23,7 +21,6 @@ from typing import Any, Callable
 
 import chainer
 import chainer.functions as F
-import chainer.links as L
 import numpy as np
 from chainer import backend, function_node
 from chainer.backends import cuda
@@ -154,41 +151,6 @@ class LayerNorm(TokenLink):
         return [self.gamma.array, self.beta.array]
 
 
-class Attention(TokenLink):
-    """Multi-head self-attention of (N, T, d): ``softmax(q k^T * scale) v`` per head, heads merged in
-    head order, then the output projection. ``scale`` is 1/sqrt(head_dim)."""
-
-    TRANSPOSED = (True, False) * 4
-
-    def __init__(self, d: int, heads: int, head_dim: int):
-        super().__init__()
-        inner = heads * head_dim
-        with self.init_scope():
-            self.q, self.k, self.v = L.Linear(d, inner), L.Linear(d, inner), L.Linear(d, inner)
-            self.o = L.Linear(inner, d)
-        self.heads, self.head_dim = heads, head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
-
-    def _split(self, a: Any, n: int, t: int) -> Any:
-        """(N*T, heads*head_dim) -> (N*heads, T, head_dim): column i*head_dim + j is head i's j."""
-        a = F.transpose(F.reshape(a, (n, t, self.heads, self.head_dim)), (0, 2, 1, 3))
-        return F.reshape(a, (n * self.heads, t, self.head_dim))
-
-    def forward(self, x: Any) -> Any:
-        n, t, d = x.shape
-        flat = F.reshape(x, (n * t, d))
-        q, k, v = (self._split(proj(flat), n, t) for proj in (self.q, self.k, self.v))
-        p = F.softmax(F.matmul(q, k, transb=True) * self.scale, axis=2)  # (N*heads, T queries, T keys)
-        mixed = F.transpose(F.reshape(F.matmul(p, v), (n, self.heads, t, self.head_dim)), (0, 2, 1, 3))
-        return F.reshape(self.o(F.reshape(mixed, (n * t, self.heads * self.head_dim))), (n, t, d))
-
-    def arrays(self) -> list[Any]:
-        return [a for proj in (self.q, self.k, self.v, self.o) for a in (proj.W.array, proj.b.array)]
-
-    def kernels(self) -> list[Any]:
-        return [proj.W for proj in (self.q, self.k, self.v, self.o)]
-
-
 def tokens(x: Any) -> Any:
     """NCHW (N, C, H, W) -> (N, H*W, C), tokens row-major over (h, w) as the reference's NHWC reshape."""
     n, c, h, w = x.shape
@@ -210,8 +172,6 @@ def token_op(node: Node) -> tuple[Any, Op]:
         link = PositionEmbedding(t, d)
     elif isinstance(layer, layers.LayerNorm):
         link = LayerNorm(d, layer.epsilon)
-    elif isinstance(layer, layers.Attention):
-        link = Attention(d, layer.heads, layer.head_dim)
     else:
         raise TypeError(f"{node.label()}: no Chainer translation")
     return link, lambda ins, masks: link(ins[0])
