@@ -197,6 +197,11 @@ def run_path(name: str, out: Path, timeout: float, cpu: bool = False) -> Outcome
     return outcome
 
 
+def distinct(column) -> str:
+    """A CSV column's distinct non-empty values, sorted and joined: ``ieee, tf32``, ``True``."""
+    return ", ".join(sorted({str(v) for v in column.dropna() if str(v)}))
+
+
 def judge(outcome: Outcome, csv: Path, rc: int, log: Path, cpu: bool = False) -> Outcome:
     """Fill ``outcome`` from the run's CSV (read by ``results.read``) and exit code."""
     try:
@@ -212,9 +217,9 @@ def judge(outcome: Outcome, csv: Path, rc: int, log: Path, cpu: bool = False) ->
     outcome.note = next((m for m in cells["message"] if m), "")
     parity = df.loc[df["phase"] == "parity", "parity_max_rel"].dropna()
     outcome.parity = float(parity.max()) if len(parity) else None
-    outcome.math_mode = ", ".join(sorted({m for m in df["math_mode"] if m}))
+    outcome.math_mode = distinct(df["math_mode"])
     outcome.version = next((v for v in df["backend_version"] if v), "")
-    outcome.on_device = ", ".join(sorted({str(b) for b in df["data_on_device"].dropna()}))
+    outcome.on_device = distinct(df["data_on_device"])
     if outcome.status == "ok":
         devices = sorted(set(cells["device"]))
         if "cpu" in devices and not cpu:
@@ -313,10 +318,9 @@ def measure_mfu(out: Path, timeout: float, cpu: bool) -> list[str]:
             lines.append(" | ".join([
                 f"| {workload}", str(precision), status, num(timed["samples_per_s"], ".0f"), num(timed["mfu"], ".3f"),
                 format(float(peak.max()) / 1e12, ".1f") if len(peak) else "",
-                cell(", ".join(sorted({str(x) for x in rows["peak_source"].dropna() if str(x)}))),
+                cell(distinct(rows["peak_source"])),
                 format(float(parity.max()), ".2e") if len(parity) else "",
-                ", ".join(sorted({str(m) for m in rows["math_mode"].dropna() if m})),
-                ", ".join(sorted({str(b) for b in rows["data_on_device"].dropna()})),
+                distinct(rows["math_mode"]), distinct(rows["data_on_device"]),
                 num(rows["peak_device_mb"].dropna().iloc[-1:], ".0f"),
                 "" if smi.peak_mib is None else f"{smi.peak_mib:.0f} (whole run)"]) + " |")
     return ["", "## MFU: torch eager, one command per workload, alone on the device", "", *commands, *lines]
