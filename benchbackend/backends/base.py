@@ -186,6 +186,48 @@ class Backend(ABC):
         """Loss of each of the first K training steps on these batches, dropout disabled."""
         raise NotImplementedError(f"{self.name} does not support the trajectory check")
 
+    # --- generation: greedy decoding with a key/value cache (``--generate``; decoder workloads) ---
+    #: Why this backend cannot generate ("" when it can): the generation cell is ``unavailable``
+    #: with this reason. An adapter that generates implements the four methods below.
+    generation_note: str = "generation (a key/value cache) is not implemented for this backend"
+
+    def start_generation(self, batch: int, positions: int) -> None:
+        """Before a generation pass (untimed): make a key/value cache for ``batch`` sequences of
+        ``positions`` tokens (prompt + new tokens), in ``workload.generation.cache`` (``fp32`` unless
+        the spec says otherwise, at every precision), and compile what needs compiling. Called once
+        per prompt length; every pass starts from position 0 again, so a cache need not be cleared."""
+        from ..errors import BackendUnavailable
+
+        raise BackendUnavailable(f"{self.name}: {self.generation_note}")
+
+    def prefill(self, ids: np.ndarray) -> Any:
+        """The prompt pass: ``ids`` are host int32 token ids (B, P) (their copy to the device is
+        the adapter's, inside the clock: time to first token counts it). Runs the prompt through
+        the network with the causal mask, writes the keys and values of positions 0..P-1 into the
+        cache, and returns the greedy next token of each sequence, int32 (B,), where ``decode``
+        reads it (argmax of the last position's output; the softmax may be skipped)."""
+        raise NotImplementedError
+
+    def decode(self, ids: Any, position: int) -> Any:
+        """One decode step: ``ids`` (B,) is what ``prefill`` or the last ``decode`` returned, the
+        token at ``position`` (P for the first step). Writes its keys and values at ``position``
+        (rotary angle and position embedding of ``position``), attends to positions 0..position,
+        and returns the next tokens (B,). The worker reads each step's tokens on the host inside
+        the step's clock (a streamed token)."""
+        raise NotImplementedError
+
+    def decode_steps(self, ids: Any, position: int, steps: int) -> Any:
+        """Optional: ``steps`` decode steps in one dispatch (``jax:scan``), returning (B, steps)
+        tokens; None (the default) makes the worker call ``decode`` step by step."""
+        return None
+
+    def cache_bytes(self) -> tuple[int, int]:
+        """(bytes, positions) of the key/value cache as it is held now, after a pass: the bytes
+        of every layer's key and value arrays (their real dtype: a bf16 cache where the spec says
+        fp32 is caught by this), and the positions they hold (the static cache's ``positions``;
+        a cache grown by concatenation holds P + G - 1)."""
+        raise NotImplementedError
+
     # --- data placement and device memory ----------------------------------------------------
     #: The placement rule this cell follows (``data_on_device`` column): True, its arrays are on the
     #: device before the clock; False, every batch is copied to the device inside the clock.

@@ -36,27 +36,54 @@ def _key(workload: Any, weights: Sequence[np.ndarray], batches: Sequence[tuple[n
     return digest.hexdigest()[:32]
 
 
+def _cached(key: str, compute: Any) -> Any:
+    """``compute()`` (JSON-able), kept under ``key`` in the cache; read back when it is there."""
+    from ..paths import cache_dir
+
+    path = cache_dir() / "reference" / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        pass
+    value = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
+
+
 def trajectory(workload: Any, weights: Sequence[np.ndarray],
                batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
     """The reference's float64 loss of each of ``len(batches)`` training steps from ``weights``,
     dropout off (``reference.train_losses``), from the cache when it holds them."""
     from ..backends.numpy import reference
-    from ..paths import cache_dir
 
-    path = cache_dir() / "reference" / f"{_key(workload, weights, batches)}.json"
-    try:
-        return [float(v) for v in json.loads(path.read_text())]
-    except (OSError, ValueError, TypeError):
-        pass
-    losses = [float(v) for v in reference.train_losses(workload, weights, batches, dtype=np.float64)]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(losses))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return losses
+    def compute() -> list[float]:
+        return [float(v) for v in reference.train_losses(workload, weights, batches, dtype=np.float64)]
+
+    return [float(v) for v in _cached(_key(workload, weights, batches), compute)]
+
+
+def greedy(workload: Any, weights: Sequence[np.ndarray], prompts: np.ndarray, steps: int
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's float64 greedy generation (``reference.generate``): ``(ids, gaps)``, each
+    (B, steps), from the cache when it holds them (gpt2-124m's 32 steps take a minute)."""
+    from ..backends.numpy import reference
+
+    prompts = np.asarray(prompts, np.float32)
+
+    def compute() -> dict[str, list]:
+        ids, gaps = reference.generate(workload, weights, prompts, steps)
+        return {"ids": ids.tolist(), "gaps": gaps.tolist()}
+
+    key = "greedy-" + _key(workload, weights, [(prompts, np.asarray([steps]))])
+    got = _cached(key, compute)
+    return np.asarray(got["ids"], np.int64).reshape(len(prompts), steps), \
+        np.asarray(got["gaps"], np.float64).reshape(len(prompts), steps)
 
 
 def sharded_losses(workload: Any, weights_: Sequence[np.ndarray], batches: Sequence[tuple[np.ndarray, np.ndarray]],

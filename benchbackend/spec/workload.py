@@ -178,6 +178,22 @@ class InferenceSpec(_Strict):
     repeats: int = Field(default=5, gt=0)
 
 
+class GenerationSpec(_Strict):
+    """``--generate``: greedy decoding with a key/value cache (decoder workloads; docs/generation.md)."""
+
+    prompt_tokens: list[Annotated[int, Field(gt=0)]] = Field(
+        default=[64], min_length=1,
+        description="prompt lengths P (each a generation of its own in the same worker; `--prompt-tokens`)")
+    new_tokens: int = Field(default=32, ge=2, description="tokens G generated after each prompt (`--new-tokens`)")
+    batch_size: int = Field(default=1, gt=0, description="prompts decoded together (`--batch-size` sets it too)")
+    passes: int = Field(default=3, gt=0, description="timed generations per repeat and prompt length; the first "
+                                                     "carries warm-up")
+    parity_tokens: int = Field(default=32, gt=0, description="greedy parity: the first N generated tokens must "
+                                                             "be the reference's (up to a tie)")
+    cache: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="the key/value cache's element type, at every precision")
+
+
 class Tolerance(_Strict):
     rtol: float = Field(gt=0.0)
     atol: float = Field(ge=0.0)
@@ -272,6 +288,8 @@ class Workload(_Strict):
     training: TrainingSpec
     inference: InferenceSpec = InferenceSpec()
     checks: ChecksSpec = ChecksSpec()
+    #: Set by ``--generate`` (with its overrides) or written in the YAML; None: the defaults.
+    generation: Optional[GenerationSpec] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -301,9 +319,16 @@ class Workload(_Strict):
         the output (T, vocab)); otherwise one class per sample."""
         return self.data.dataset in TOKEN_DATASETS
 
+    @property
+    def generating(self) -> GenerationSpec:
+        """The generation settings: the workload's own, else the defaults."""
+        return self.generation or GenerationSpec()
+
     def hash(self) -> str:
-        """Short content hash of everything that changes what is measured (not the description)."""
-        payload = self.model_dump(mode="json", exclude={"description"})
+        """Short content hash of everything that changes what is measured (not the description;
+        not an absent ``generation``, so that the hashes from before it existed still hold)."""
+        payload = self.model_dump(mode="json", exclude={"description"} | ({"generation"} if self.generation is None
+                                                                           else set()))
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 

@@ -248,6 +248,27 @@ def forward(workload: Workload, weights: Sequence[np.ndarray], x: np.ndarray,
     return np.asarray(net.forward(np.asarray(x, dtype), training=training), np.float64)
 
 
+def generate(workload: Workload, weights: Sequence[np.ndarray], prompts: np.ndarray, steps: int,
+             dtype: Any = np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy generation, the definition every backend's cached decoding is held to: ``steps`` new
+    tokens after each prompt (``prompts``: (B, P) token ids), each the argmax of the network's output
+    at the last position, recomputed over the whole sequence so far (no key/value cache: nothing to
+    get wrong). Returns ``(ids, gaps)``, each (B, steps): the generated ids, and at each step the
+    top two outputs' gap relative to the top one, ``(p1 - p2) / p1`` (what decides a tie,
+    ``checks.generation``)."""
+    net = network(workload, [np.array(w, dtype) for w in weights])
+    seq = np.asarray(prompts, dtype)
+    ids, gaps = [], []
+    for _ in range(steps):
+        last = np.asarray(net.forward(seq)[:, -1], np.float64)  # (B, vocab): probabilities
+        top2 = np.sort(last, axis=-1)[:, -2:]
+        nxt = last.argmax(axis=-1)
+        ids.append(nxt)
+        gaps.append((top2[:, 1] - top2[:, 0]) / np.maximum(top2[:, 1], 1e-300))
+        seq = np.concatenate([seq, nxt[:, None].astype(dtype)], axis=1)
+    return np.stack(ids, axis=1).astype(np.int64), np.stack(gaps, axis=1)
+
+
 def train_losses(workload: Workload, weights: Sequence[np.ndarray],
                  batches: Sequence[tuple[np.ndarray, np.ndarray]], dtype: Any = np.float64,
                  optimizer: Optional[ops.Optimizer] = None) -> list[float]:

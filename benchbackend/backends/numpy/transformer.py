@@ -250,8 +250,8 @@ def forward(layer: Any, x: Array, w: Sequence[Array]) -> tuple[Array, Any]:
     if isinstance(layer, ClassToken):
         n, _, d = x.shape
         return xp.concatenate([xp.broadcast_to(w[0].reshape(1, 1, d), (n, 1, d)), x], axis=1), None
-    if isinstance(layer, PositionEmbedding):
-        return x + w[0], None
+    if isinstance(layer, PositionEmbedding):  # token t gets row t (a prefix of the context: generation)
+        return x + w[0][:x.shape[1]], None
     if isinstance(layer, LayerNorm):
         return layernorm(x, w[0], w[1], layer.epsilon)
     if isinstance(layer, Attention):
