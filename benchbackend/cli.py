@@ -98,6 +98,13 @@ def main() -> None:
               help="Intra-op threads for every backend (OpenMP/MKL too); repeatable: a sweep, each count its own "
                    "experiment, never pooled. Default: all cores. Recorded in the `threads` column.")
 @click.option("--inference-only", is_flag=True, help="Skip training: build, shared weights, parity, inference passes.")
+@click.option("--generate", is_flag=True,
+              help="Decoder language models: instead of training and inference, greedy generation with a key/value "
+                   "cache: time to first token, time per output token, tokens that must be the reference's "
+                   "(docs/generation.md). Settings: the workload's `generation:` section.")
+@click.option("--prompt-tokens", "prompt_tokens", multiple=True, type=click.IntRange(1), metavar="P",
+              help="--generate: prompt length (repeatable: a sweep; also the cache depth the decode steps start at).")
+@click.option("--new-tokens", type=click.IntRange(2), metavar="G", help="--generate: tokens generated per prompt.")
 @click.option("--steps-per-execution", type=click.IntRange(1), default=32, show_default=True,
               help="Training steps per dispatch for modes that batch them (jax:scan).")
 @click.option("--tune-trials", type=click.IntRange(1), default=64, show_default=True,
@@ -141,7 +148,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         limit: Optional[int], seed: Optional[int], data_source: str, text: Optional[Path],
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float],
         thread_counts: tuple[int, ...],
-        inference_only: bool, steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
+        inference_only: bool, generate: bool, prompt_tokens: tuple[int, ...], new_tokens: Optional[int],
+        steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
         executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
         wait_for_nodes: float, retries: int, parity_steps: int, order: str, output: Optional[Path], force: bool,
         resume_from: Optional[Path], plots: bool, quiet: bool) -> None:
@@ -158,6 +166,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run mnist -b torch -b numpy --executor ray --address head:6379 --retries 1
       benchbackend run path/to/my_workload.yaml -b tensorflow
       benchbackend run gpt-nano -b numpy --text my_book.txt --limit 512
+      benchbackend run gpt-nano -b torch -b jax --generate --prompt-tokens 64 --new-tokens 32 --data synthetic
       benchbackend run mnist -b torch -b tensorflow --repeats 5 --resume results/interrupted.csv
     """
     from . import epilogue, results
@@ -166,12 +175,20 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     from .run import resume as resuming
     from .spec import replicas
 
+    if (prompt_tokens or new_tokens) and not generate:
+        raise UsageFailure("--prompt-tokens and --new-tokens set up --generate: add --generate")
+    if generate and max(replica_counts, default=1) > 1:
+        raise UsageFailure(f"--replicas {max(replica_counts)} trains data-parallel replicas and --generate trains "
+                           "nothing (generation runs on one device): leave out one of them")
+    inference_only = inference_only or generate
     if inference_only and max(replica_counts, default=1) > 1:
         raise UsageFailure(f"--replicas {max(replica_counts)} trains data-parallel replicas and --inference-only "
                            "trains nothing (inference runs on one device): leave out one of them")
     try:
         loaded = planning.load_workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed,
-                                         text=None if text is None else str(text), inference_only=inference_only)
+                                         text=None if text is None else str(text), inference_only=inference_only,
+                                         generate={"prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
+                                         if generate else None)
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
         choices = planning.with_threads(planning.with_replicas(
@@ -210,7 +227,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
                              peak_tflops=peak_tflops, scale_lr=scale_lr, scaling=scaling)
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
-                            inference_only=inference_only, options=options, order=order)
+                            inference_only=inference_only, options=options, order=order, generate=generate)
     try:
         executor = executors.make(executor_name, address, cells_per_node, allow_mixed_hosts, timeout, preload,
                                   wait_for_nodes, retries)

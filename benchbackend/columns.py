@@ -114,7 +114,23 @@ DECLARED: tuple[Column, ...] = (
     _c("gpu_other_procs", N, "other processes on the cell's GPU as it started (NVML)", version=9),
     _c("gpu_clock_mhz", N, "the GPU's SM clock as the cell started (NVML)", "MHz", 9),
     _c("tokens_per_s", N, "a language model's `samples_per_s` x its context (the tokens of a sequence); empty for "
-                          "other networks", "tokens/s", 10),
+                          "other networks; a `prefill` row's B x P over its seconds, a `decode` row's tokens over "
+                          "its seconds (`--generate`)", "tokens/s", 10),
+    _c("prompt_tokens", N, "`--generate`: the prompt length P of a `prefill`, `decode` or `greedy` row", version=11),
+    _c("new_tokens", N, "`--generate`: the tokens G generated after each prompt", version=11),
+    _c("step", N, "a `decode` row's step, 1..G-1 (the first token comes from the prefill)", version=11),
+    _c("cache_depth", N, "a `decode` row's tokens already in the key/value cache as the step begins (P + step - 1)",
+       version=11),
+    _c("cache_bytes", N, "a `prefill` row's key/value cache as held after the pass, measured from its arrays", "B",
+       11),
+    _c("cache_bytes_expected", N, "the same from the spec: 2 x layers x kv_heads x head_dim x positions x batch x "
+                                  "bytes of `generation.cache`", "B", 11),
+    _c("tokens_matched", N, "a `greedy` row's generated tokens equal to the float64 reference's, before each "
+                            "prompt's first tie, over every prompt", version=11),
+    _c("tie_step", N, "a `greedy` row's earliest step whose reference top-two outputs are too close for the "
+                      "precision to order (the comparison stops there)", version=11),
+    _c("mismatch_step", N, "a `greedy` row's first step whose token differs from the reference's before a tie "
+                           "(`generation_mismatch`)", version=11),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).

@@ -206,6 +206,53 @@ def trajectory(msg: dict[str, Any], workload: Any, precision: str = "fp32") -> d
     return out
 
 
+def generation(ids: np.ndarray, ref: np.ndarray, gaps: np.ndarray, tie: float) -> dict[str, Any]:
+    """Greedy parity of a generation: ``ids`` (B, K) a backend's first K tokens per prompt, ``ref``
+    the float64 reference's, ``gaps`` the reference's top-two gap at each step relative to the top
+    output, ``(p1 - p2) / p1``. Per prompt, the steps are compared in order until the first tie (a
+    gap of at most ``tie``: two outputs the precision cannot order; the comparison stops there, since
+    either token is right and every later step then depends on which was taken). A token that differs
+    before its prompt's first tie is a mismatch (``generation_mismatch``).
+
+    Returns the ``greedy`` row's columns: ``tokens_matched`` (over every prompt), ``tie_step`` (the
+    earliest tie, 1-based, or None), ``mismatch_step`` (the first mismatch's step, or None), ``notes``.
+    """
+    ids, ref, gaps = np.asarray(ids), np.asarray(ref), np.asarray(gaps)
+    matched, ties, mismatch = 0, [], None
+    for b in range(len(ref)):
+        for k in range(ref.shape[1]):
+            if gaps[b, k] <= tie:
+                ties.append(k + 1)
+                break
+            if ids[b, k] != ref[b, k]:
+                if mismatch is None or k + 1 < mismatch[0]:
+                    mismatch = (k + 1, b + 1, int(ids[b, k]), int(ref[b, k]), float(gaps[b, k]))
+                break
+            matched += 1
+    total = ref.size
+    tie_step = min(ties) if ties else None
+    tied = f"; {len(ties)} of {len(ref)} prompt(s) reach a tie (first at step {tie_step})" if ties else ""
+    if mismatch is not None:
+        step, prompt, got, want, gap = mismatch
+        notes = (f"greedy tokens differ from the reference at step {step} of prompt {prompt}: {got} vs {want} "
+                 f"(the reference's top two {gap:.2g} apart, relative; ties are {tie:.2g} or closer)")
+    else:
+        notes = f"{matched} of {total} greedy tokens agree with the reference (tie below {tie:.2g}){tied}"
+    return {"tokens_matched": matched, "tie_step": tie_step, "mismatch_step": None if mismatch is None else mismatch[0],
+            "notes": notes}
+
+
+def cache_mismatch(rows: Sequence[dict[str, Any]]) -> Optional[str]:
+    """A message when a generation's key/value cache holds other bytes than the spec's cache
+    dtype gives for the positions it holds (a bf16 cache where the spec says fp32, say)."""
+    for r in rows:
+        held, expected = r.get("cache_bytes"), r.get("cache_bytes_expected")
+        if r.get("phase") == "prefill" and finite(held) and finite(expected) and held != expected:
+            return (f"the key/value cache holds {held:,.0f} bytes; the spec's cache ({expected:,.0f} bytes for its "
+                    f"positions) is {held / expected:.3g}x that")
+    return None
+
+
 def diverged(losses: Sequence[Optional[float]], num_classes: int, factor: float) -> Optional[str]:
     """A message when a finite training loss exploded: ``factor`` times ln(num_classes) or more.
 
@@ -236,8 +283,9 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
     """Final (status, message) of one cell from its worker rows (runner-level statuses aside).
 
     Order: ``nan_loss``, ``diverged``, ``parity_mismatch`` (forward at the precision's tolerance,
-    then the trajectory), then for cells that trained ``chance_accuracy``, or for a language model
-    ``future_leak`` and the token form of ``chance_accuracy`` (``token_checks``).
+    then the trajectory), ``generation_mismatch`` (greedy tokens, then the cache's bytes), then for
+    cells that trained ``chance_accuracy``, or for a language model ``future_leak`` and the token
+    form of ``chance_accuracy`` (``token_checks``).
     """
     epochs = [r for r in rows if r.get("phase") == "train_epoch"]
     losses = [r.get("loss") for r in epochs]
@@ -259,6 +307,12 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
             msg = parity_mismatch(r["parity_max_abs"], r["parity_max_rel"], tol.rtol, tol.atol)
             if msg:
                 return "parity_mismatch", f"{msg} ({precision})"
+    for r in rows:
+        if r.get("phase") == "greedy" and finite(r.get("mismatch_step")):
+            return "generation_mismatch", r.get("notes") or f"greedy tokens differ at step {r['mismatch_step']}"
+    msg = cache_mismatch(rows)
+    if msg:
+        return "generation_mismatch", msg
     if epochs and getattr(workload, "next_token", False):
         return token_checks(epochs, workload) or ("ok", "")
     if epochs:

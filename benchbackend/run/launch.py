@@ -56,6 +56,8 @@ class Job:
     data: str = ""
     trains: bool = True
     parity_steps: int = 0
+    #: ``--generate``: greedy decoding with a key/value cache instead of training and inference.
+    generate: bool = False
     options: Options = field(default_factory=Options)
     capabilities: Capabilities = field(default_factory=Capabilities)
 

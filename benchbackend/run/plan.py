@@ -56,6 +56,8 @@ class RunPlan:
     inference_only: bool = False
     options: Options = field(default_factory=Options)
     order: str = "interleaved"
+    #: ``--generate``: every cell generates (``run/generation.py``) instead of training and inference.
+    generate: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,15 +136,20 @@ def _split(item: str) -> tuple[Optional[str], str]:
     return (backend, rest) if sep and backend in backends.BACKENDS else (None, item)
 
 
-def load_workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], **overrides: Any) -> list[Workload]:
+def load_workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], generate: Optional[dict[str, Any]] = None,
+                   **overrides: Any) -> list[Workload]:
     """The workloads named, with the command line's overrides, one per batch size of a sweep;
-    a network that does not fit its input is a ``WorkloadError`` naming the layer."""
+    a network that does not fit its input is a ``WorkloadError`` naming the layer. ``generate``:
+    ``--generate``'s overrides (``Workload.for_generation``; a batch size of the sweep is the
+    generation's batch too)."""
     from ..spec.model import describe
 
     loaded = []
     for name in names:
         for b in list(dict.fromkeys(batch_sizes)) or [None]:
             w = load(name).with_overrides(batch_size=b, **overrides)
+            if generate is not None:
+                w = w.for_generation(batch_size=b, **generate)
             try:
                 describe(w)
             except ValueError as exc:  # named by its file, as the workload's other errors are

@@ -198,7 +198,7 @@ class Runner:
             job = Job.for_spec(spec, cell.workload, mode=cell.choice.mode, precision=cell.choice.precision,
                                device=self.plan.device, repeat=cell.repeat, data=str(files[cell.workload.hash()]),
                                trains=not self.plan.inference_only, parity_steps=self.plan.parity_steps,
-                               options=self._options(cell.choice))
+                               generate=self.plan.generate, options=self._options(cell.choice))
             digest = cell.workload.hash()
             tasks.append(Task(cell, job, spec, self.checksums[digest], self.sources[digest]))
             self.waiting[cell.group] = self.waiting.get(cell.group, 0) + 1

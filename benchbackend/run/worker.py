@@ -24,7 +24,8 @@ The order inside a cell: import the adapter, load data, decide the data placemen
 (timed together as the ``build`` row), tune (timed, when the mode tunes), forward parity on a
 fixed batch against the NumPy float64 reference, the optional trajectory check, then (if the
 backend trains) timed epochs, each followed by an untimed validation pass, and timed inference
-passes. Every timed region ends with the result materialized on the host and the device synced,
+passes; or, with ``--generate``, instead of training and inference, the generation passes
+(``run/generation.py``). Every timed region ends with the result materialized on the host and the device synced,
 by this module, not the adapter. A NaN/inf training loss stops training (the rows are kept).
 """
 from __future__ import annotations
@@ -180,6 +181,10 @@ def run_job(job: Job, emit: Emit) -> None:
     except (BackendUnavailable, ImportError) as exc:
         emit({"type": "unavailable", "message": str(exc).splitlines()[0] if str(exc) else repr(exc)})
         return
+    if job.generate and backend.generation_note:  # before any work: this backend cannot generate
+        emit({"type": "unavailable", "message": f"{job.backend}: {backend.generation_note}"})
+        backend.close()
+        return
     try:
         _run(job, backend, workload, emit)
     finally:
@@ -236,6 +241,14 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
     if parity_steps:
         backend.build(weights)  # the trajectory check trained a few steps: start over from the shared weights
         backend.set_data(arrays["x_train"], arrays["y_train"])
+    if job.generate:  # instead of the inference passes: generation with a key/value cache
+        from . import generation
+
+        try:
+            generation.run(cell, weights, base, _memory)
+        except BackendUnavailable as exc:  # a mode or precision the backend cannot generate in
+            emit({"type": "unavailable", "message": str(exc).splitlines()[0]})
+        return
     if job.trains and not _train(cell, base):
         return  # nan_loss: stop this repeat; its rows are kept
     _infer(cell, base)

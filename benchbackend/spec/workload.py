@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -375,6 +375,32 @@ class Workload(_Strict):
         if data is not self.data:
             upd["data"] = data
         return self.model_copy(update=upd)
+
+    def for_generation(self, prompt_tokens: Sequence[int] = (), new_tokens: Optional[int] = None,
+                       batch_size: Optional[int] = None) -> "Workload":
+        """A copy that ``--generate`` runs: its ``generation`` settings (the YAML's, else the
+        defaults) with the command line's overrides, which the hash then covers. Raises
+        ``WorkloadError`` for a network that is not a causal decoder, and for prompts and new
+        tokens past the context."""
+        from .layers import Attention
+
+        if not self.next_token or not any(isinstance(x, Attention) and x.causal for x in self.model):
+            raise WorkloadError(f"{self.name}: --generate needs a decoder language model (causal attention on "
+                                f"token data, e.g. gpt-nano); this workload's data is {self.data.dataset}")
+        upd: dict[str, Any] = {}
+        if prompt_tokens:
+            upd["prompt_tokens"] = list(dict.fromkeys(prompt_tokens))
+        if new_tokens is not None:
+            upd["new_tokens"] = new_tokens
+        if batch_size is not None:
+            upd["batch_size"] = batch_size
+        spec = GenerationSpec.model_validate({**self.generating.model_dump(), **upd})
+        context = self.data.context
+        longest = max(spec.prompt_tokens)
+        if longest + spec.new_tokens > context:
+            raise WorkloadError(f"{self.name}: a prompt of {longest} tokens and {spec.new_tokens} new tokens pass the "
+                                f"context of {context} (--prompt-tokens, --new-tokens)")
+        return self.model_copy(update={"generation": spec})
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

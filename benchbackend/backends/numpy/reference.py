@@ -419,3 +419,24 @@ class NumpyBackend(CupyMemory, Backend):
 
     def get_weights(self) -> list[np.ndarray]:
         return [_to_host(w).copy() for w in self._net().weights]
+
+    # --- generation: the reference's arrays with a static key/value cache (``generation.py``) ----
+    generation_note = ""
+
+    def start_generation(self, batch: int, positions: int) -> None:
+        from .generation import Generator
+
+        self.generator = Generator(self._net(), self.dtype)
+        cache = {"fp32": np.float32, "bf16": None, "fp16": np.float16}[self.workload.generating.cache]
+        if cache is None:
+            raise BackendUnavailable("numpy: NumPy has no bfloat16 for a bf16 key/value cache")
+        self.generator.start(self.xp, batch, positions, cache)
+
+    def prefill(self, ids: np.ndarray) -> Array:
+        return self.generator.next_ids(self.xp.asarray(ids), 0)
+
+    def decode(self, ids: Array, position: int) -> Array:
+        return self.generator.next_ids(ids[:, None], position)
+
+    def cache_bytes(self) -> tuple[int, int]:
+        return self.generator.nbytes()
