@@ -351,6 +351,29 @@ class TorchBackend(Backend):
         self.net.set_mode(dropout=True, update_statistics=True)
         return losses
 
+    # --- generation: a static key/value cache on the same modules (``generation.py``) -----------
+    generation_note = ""
+
+    def start_generation(self, batch: int, positions: int) -> None:
+        from .generation import DTYPES, generator
+
+        if self.channels_last:
+            raise BackendUnavailable("torch: channels_last is a convolution layout; generate with eager, sdpa or "
+                                     "compile")
+        if getattr(self, "_generator", None) is None:
+            self.net.eval()
+            self._generator = generator(self.net, self._autocast, self.compiled)
+        self._generator.start(batch, positions, DTYPES[self.workload.generating.cache], self.device)
+
+    def prefill(self, ids: np.ndarray) -> torch.Tensor:
+        return self._generator.prefill(torch.from_numpy(ids).to(self.device))
+
+    def decode(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        return self._generator.decode(ids, position, self.device)
+
+    def cache_bytes(self) -> tuple[int, int]:
+        return self._generator.nbytes()
+
     @torch.no_grad()
     def train_scores(self, x: torch.Tensor) -> torch.Tensor:
         """Probabilities of a training-mode forward pass (batch statistics), dropout off, nothing updated."""
