@@ -370,6 +370,32 @@ class JaxBackend(Backend):
         self._pending = out
         return out
 
+    # --- generation (``generation.py``: the cached forward) ----------------------------------------
+    generation_note = ""
+
+    def start_generation(self, batch: int, positions: int) -> None:
+        from .generation import Generator
+
+        self._generator = Generator(self.workload, self.params, self.compute, self.device, batch, positions,
+                                    scan=self.mode == "scan")
+
+    def prefill(self, ids: np.ndarray) -> jax.Array:
+        self._pending = self._generator.prefill(ids)
+        return self._pending
+
+    def decode(self, ids: jax.Array, position: int) -> jax.Array:
+        self._pending = self._generator.decode(ids, position)
+        return self._pending
+
+    def decode_steps(self, ids: jax.Array, position: int, steps: int) -> Optional[jax.Array]:
+        if self.mode != "scan":
+            return None
+        self._pending = self._generator.decode_steps(ids, position, steps)
+        return self._pending
+
+    def cache_bytes(self) -> tuple[int, int]:
+        return self._generator.cache_bytes()
+
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         losses = []
         for xb, yb in batches:
