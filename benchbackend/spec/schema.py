@@ -21,6 +21,7 @@ from .layers import LAYER_CLASSES, Rope
 from .workload import (
     ChecksSpec,
     DataSpec,
+    GenerationSpec,
     InferenceSpec,
     Tolerance,
     TrainingSpec,
@@ -37,7 +38,8 @@ END = "<!-- END workload reference -->"
 #: The sections of the reference: (YAML path, model).
 SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("(top level)", Workload), ("data", DataSpec), ("training", TrainingSpec),
-    ("training.weight_decay", WeightDecay), ("inference", InferenceSpec), ("checks", ChecksSpec),
+    ("training.weight_decay", WeightDecay), ("inference", InferenceSpec),
+    ("generation", GenerationSpec), ("checks", ChecksSpec),
     ("checks.parity_tolerance.PRECISION", Tolerance), ("checks.trajectory_tolerance.PRECISION", TrajectoryTolerance))
 #: What a field means, where its model gives no description: "section.field" (layers: "TYPE.field").
 NOTES = {
@@ -48,6 +50,8 @@ NOTES = {
     "(top level).training": "see `training`",
     "(top level).inference": "see `inference`",
     "(top level).checks": "see `checks`",
+    "(top level).generation": "`--generate`'s settings (decoder language models; docs/generation.md): see "
+                              "`generation`; unset: its defaults",
     "data.dataset": "`mnist`, `cifar10`: the canonical files (or stand-ins with `--data synthetic`); "
                     "`synthetic`: generated; `npz`: your arrays in `path`; `tokens`: token sequences of a "
                     "Markov source; `text`: your UTF-8 text in `path` (language models)",
