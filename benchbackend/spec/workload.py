@@ -400,6 +400,10 @@ class Workload(_Strict):
         if longest + spec.new_tokens > context:
             raise WorkloadError(f"{self.name}: a prompt of {longest} tokens and {spec.new_tokens} new tokens pass the "
                                 f"context of {context} (--prompt-tokens, --new-tokens)")
+        most = max(self.data.test, self.data.validation, self.data.train)
+        if spec.batch_size > most:
+            raise WorkloadError(f"{self.name}: a generation batch of {spec.batch_size} needs as many prompts; the "
+                                f"largest split has {most} sequences (--batch-size, --limit)")
         return self.model_copy(update={"generation": spec})
 
     def to_dict(self) -> dict[str, Any]:
