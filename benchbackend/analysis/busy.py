@@ -2,7 +2,7 @@
 
 The worker measures (``run.machine``); this module decides, for the run's own note and for
 ``compare`` alike: a repeat is *busy* over a verdict phase (its training epochs, its inference
-passes) when other processes held more than ``BUSY_SHARE`` of its cores there, weighted by the
+passes, its generation passes) when other processes held more than ``BUSY_SHARE`` of its cores there, weighted by the
 rows' seconds (README "Trust"). ``compare`` withholds the verdicts such a repeat would feed.
 """
 from __future__ import annotations
@@ -20,8 +20,11 @@ if TYPE_CHECKING:  # the worker reads BUSY_SHARE in environments without pandas 
 BUSY_SHARE = 0.10
 #: The rows whose timings feed a verdict (``compare``): training epochs and inference passes.
 VERDICT_PHASES = ("train_epoch", "inference")
+#: ``--generate``'s timed rows: one verdict phase, ``generation`` (a pass's prefill and its decode steps).
+GENERATION_PHASES = ("prefill", "decode")
+GENERATION = "generation"
 #: Every row the worker times (and so watches the machine around).
-TIMED_PHASES = ("build", "tune", *VERDICT_PHASES)
+TIMED_PHASES = ("build", "tune", *VERDICT_PHASES, *GENERATION_PHASES)
 #: The shortest timed window whose share is read on its own. The kernel counts idle time in ticks
 #: (10 ms a core), so a window of W seconds on C cores reads others' share to about C ticks / (W x C):
 #: one 6 ms inference pass of a small network reads 0% or 70% on a quiet machine, half a second
@@ -39,13 +42,14 @@ def phase_shares(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     for row in rows:
         share, seconds = row.get("foreign_cpu_share"), row.get("seconds")
         if row.get("phase") in TIMED_PHASES and share is not None and share == share and seconds and seconds > 0:
-            for key in (row["phase"], ""):
+            phase = GENERATION if row["phase"] in GENERATION_PHASES else row["phase"]
+            for key in (phase, ""):
                 acc = sums.setdefault(key, [0.0, 0.0])
                 acc[0] += share * seconds
                 acc[1] += seconds
     cell = sums.get("", [0.0, 0.0])
     out = {}
-    for phase in VERDICT_PHASES:
+    for phase in (*VERDICT_PHASES, GENERATION):
         if phase in sums:
             held, seconds = sums[phase] if sums[phase][1] >= MIN_WINDOW else cell
             if seconds >= MIN_WINDOW:
@@ -60,7 +64,8 @@ def busy_note(rows: Iterable[Mapping[str, Any]]) -> str:
     busy = {p: v for p, v in phase_shares(rows).items() if v > BUSY_SHARE}
     if not busy:
         return ""
-    names = {"train_epoch": "its training epochs", "inference": "its inference passes"}
+    names = {"train_epoch": "its training epochs", "inference": "its inference passes",
+             GENERATION: "its generation passes"}
     first, *rest = [f"{v:.0%} during {names[p]}" for p, v in busy.items()]
     first = first.replace(" during ", " of this cell's cores during ", 1)
     return (f"machine busy: other processes held {' and '.join([first, *rest])} (over {BUSY_SHARE:.0%}); "
@@ -69,7 +74,8 @@ def busy_note(rows: Iterable[Mapping[str, Any]]) -> str:
 
 def repeat_shares(df: "pd.DataFrame") -> "pd.DataFrame":
     """Per ``_repeat`` (``summary.per_repeat``'s numbering): the share of its cores other processes
-    held over its training epochs (``train_busy``) and its inference passes (``infer_busy``), read
+    held over its training epochs (``train_busy``), its inference passes (``infer_busy``) and its
+    generation passes (``gen_busy``), read
     by :func:`phase_shares`, the rule the run's own note follows (NaN: not measured, or too short)."""
     import pandas as pd
 
@@ -80,12 +86,12 @@ def repeat_shares(df: "pd.DataFrame") -> "pd.DataFrame":
                          "foreign_cpu_share": numbers("foreign_cpu_share")})
     rows = rows[rows["phase"].isin(TIMED_PHASES) & rows["foreign_cpu_share"].notna()]
     shares = {rep: phase_shares(part.to_dict("records")) for rep, part in rows.groupby("_repeat", sort=False)}
-    frame = pd.DataFrame.from_dict(shares, orient="index", columns=list(VERDICT_PHASES), dtype=float)
-    return frame.rename(columns={"train_epoch": "train_busy", "inference": "infer_busy"})
+    frame = pd.DataFrame.from_dict(shares, orient="index", columns=[*VERDICT_PHASES, GENERATION], dtype=float)
+    return frame.rename(columns={"train_epoch": "train_busy", "inference": "infer_busy", GENERATION: "gen_busy"})
 
 
 def is_busy(reps: "pd.DataFrame", phase: str = "") -> "pd.Series":
     """Whether other processes held more than ``BUSY_SHARE`` of each repeat's cores over
-    ``phase`` (``train`` or ``infer``; either, when empty). Not measured is not busy."""
-    cols = [f"{phase}_busy"] if phase else ["train_busy", "infer_busy"]
+    ``phase`` (``train``, ``infer`` or ``gen``; any, when empty). Not measured is not busy."""
+    cols = [f"{phase}_busy"] if phase else [c for c in ("train_busy", "infer_busy", "gen_busy") if c in reps]
     return (reps[cols] > BUSY_SHARE).any(axis=1)

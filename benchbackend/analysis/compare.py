@@ -18,6 +18,9 @@ feed the timings. The text comes from :mod:`benchbackend.analysis.tables`.
 workload's ``checks.target_accuracy``), with the same decision rule; a repeat that never reached
 the target has no time and is counted apart, and a group where none did is not ranked.
 
+Runs of ``--generate`` are compared per prompt length on time to first token, time per output token
+(p50, p99) and decode tokens/s, with the same rule, by :mod:`benchbackend.analysis.generation`.
+
 The decision rules are in :mod:`benchbackend.analysis.stats`, the reductions in :mod:`benchbackend.analysis.summary`,
 the warnings in :mod:`benchbackend.analysis.caveats` (``report_warnings`` here orders them) and the
 formatting in :mod:`benchbackend.analysis.tables`.
@@ -35,7 +38,7 @@ import pandas as pd
 
 from .. import results
 from ..errors import ResultsError
-from . import caveats, experiments, scaling, stats, summary, tables
+from . import caveats, experiments, generation, scaling, stats, summary, tables
 from .caveats import group_name
 from .experiments import CONTEXT_KEYS, GroupKey
 from .summary import METRICS, TTA
@@ -66,21 +69,25 @@ class CompareOutcome:
     groups: Optional[pd.DataFrame] = None
     metric: str = "epoch-time"
     fmt: str = "table"
+    #: ``--generate``'s groups per prompt length (``generation.rank``); None where nothing generated.
+    generation: Optional[pd.DataFrame] = None
 
     @cached_property
     def table_text(self) -> str:
         """The terminal table (what ``--format table`` prints)."""
-        return self.text if self.fmt == "table" else tables.render(self.groups, "table", self.warnings, self.metric)
+        return self.text if self.fmt == "table" else tables.render(self.groups, "table", self.warnings, self.metric,
+                                                                   generation=self.generation)
 
     @cached_property
     def body(self) -> str:
         """The terminal table without its verdict lines (``run`` prints its warnings between the
         two, so that its last word is the verdict)."""
-        return tables.render(self.groups, "table", self.warnings, self.metric, verdicts=False)
+        return tables.render(self.groups, "table", self.warnings, self.metric, verdicts=False,
+                             generation=self.generation)
 
     @cached_property
     def verdict(self) -> str:
-        return tables.verdict_lines(self.groups, self.metric)
+        return tables.verdict_lines(self.groups, self.metric, self.generation)
 
 
 def _expand(paths: list[str]) -> list[str]:
@@ -298,8 +305,8 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
 
 
 def _check_measured(df: pd.DataFrame) -> None:
-    """Files with no training or inference row (header only, or only status rows) are an error."""
-    if len(df) and df["phase"].isin(["train_epoch", "inference"]).any():
+    """Files with no training, inference or generation row (header only, or only status rows) are an error."""
+    if len(df) and df["phase"].isin(["train_epoch", "inference", *generation.PHASES]).any():
         return
     files = df.attrs.get("files") or (sorted(set(df["source"])) if "source" in df else [])
     names = ", ".join(Path(f).name for f in files) or "the results given"
@@ -318,7 +325,8 @@ def _check_metric(metric: str, df: Optional[pd.DataFrame] = None) -> None:
 
 def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ...],
              fail_on_regression: Optional[float], notes: list[str],
-             metric: str = "epoch-time", skip_busy: bool = False) -> tuple[pd.DataFrame, list[str], int]:
+             metric: str = "epoch-time", skip_busy: bool = False
+             ) -> tuple[pd.DataFrame, list[str], int, Optional[pd.DataFrame]]:
     if fail_on_regression is not None and not fail_on_regression >= 1:
         raise ResultsError(f"the regression factor must be at least 1; got {fail_on_regression!r}")
     _check_measured(df)
@@ -335,7 +343,7 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
     warnings = report_warnings(groups, df, warnings, notes, metric)
     found, code = (regressions(groups, candidate, fail_on_regression, metric) if fail_on_regression is not None
                    else ([], 0))
-    return groups, warnings + found, code
+    return groups, warnings + found, code, generation.rank(groups, reduced.repeats, df)
 
 
 def report_warnings(groups: pd.DataFrame, df: pd.DataFrame, ranking: list[str], notes: list[str],
@@ -361,11 +369,11 @@ def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate
     """Compare results already read (``results.read_many``, best through ``experiments.for_comparison``),
     e.g. right after a run; see :func:`run_compare` for the arguments."""
     _check_format(fmt)
-    groups, warnings, code = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []),
-                                      metric, skip_busy)
-    text = tables.render(groups, fmt, warnings, metric)
+    groups, warnings, code, gen = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []),
+                                           metric, skip_busy)
+    text = tables.render(groups, fmt, warnings, metric, generation=gen)
     return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df, groups=groups, metric=metric,
-                          fmt=fmt)
+                          fmt=fmt, generation=gen)
 
 
 def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tuple[str, ...] = (),

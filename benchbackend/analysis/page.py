@@ -11,6 +11,7 @@ from typing import Optional
 
 import pandas as pd
 
+from . import generation as generations
 from . import scaling, tables
 from .experiments import context_name, with_experiment
 
@@ -46,26 +47,36 @@ def _numeric(head: list[str]) -> set[int]:
     return {i for i in range(len(head)) if i not in (0, 1, 2, 3, len(head) - 1)}
 
 
-def summary_html(groups: pd.DataFrame, metric: str = "epoch-time") -> str:
-    """Compare's training and inference tables per experiment and device, as HTML tables."""
+def summary_html(groups: pd.DataFrame, metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None) -> str:
+    """Compare's training, inference and generation tables per experiment and device, as HTML tables."""
     parts = [f"<p>{_esc(line)}</p>" for line in tables.convention(metric=metric).splitlines()]
+    if generation is not None and len(generation):
+        parts.append(f"<p>{_esc(generations.CONVENTION)}</p>")
     for title, what, frame in tables._contexts(groups):
         parts.append(f"<h3>{_esc(title)}</h3>")
         parts += [f"<p>{_esc(line)}</p>" for line in (what, tables.mfu_line(frame)) if line]
         trains = frame[~frame["inference_only"].astype(bool)]
         timed_infer = frame["infer_s"].notna().any()
-        if len(trains) and (trains[["first_s", "steady_s"]].notna().any(axis=None) or not timed_infer):
-            head, rows = tables._train_rows(trains, metric)
-            parts += ["<h4>Training</h4>", table(head, rows, _numeric(head))]
-        if timed_infer or not len(trains):
-            head, rows = tables._infer_rows(frame)
-            parts += ["<h4>Inference</h4>", table(head, rows, _numeric(head))]
+        gen = generations.in_context(generation, frame)
+        if gen is None or frame[["first_s", "steady_s", "infer_s"]].notna().any(axis=None):
+            if len(trains) and (trains[["first_s", "steady_s"]].notna().any(axis=None) or not timed_infer):
+                head, rows = tables._train_rows(trains, metric)
+                parts += ["<h4>Training</h4>", table(head, rows, _numeric(head))]
+            if timed_infer or not len(trains):
+                head, rows = tables._infer_rows(frame)
+                parts += ["<h4>Inference</h4>", table(head, rows, _numeric(head))]
+        if gen is not None:
+            head, rows = generations.value_rows(gen)
+            parts += [f"<h4>{_esc(generations.what(gen))}</h4>", table(head, rows, set(range(4, len(head))))]
+            if gen["baseline"].ne("").any():
+                head, rows = generations.verdict_rows(gen)
+                parts.append(table(head, rows, {2}))
         scaled = scaling.rows(frame) if "replicas" in frame else None
         if scaled is not None:  # what compare prints: efficiency, comm share, gradient and ring MB
             head, rows = scaled
             parts += ["<h4>Scaling</h4>", f"<p>{_esc(scaling.SCALING_LINE)}</p>",
                       table(head, rows, set(range(4, len(head))))]
-        parts += [f"<p>{_esc(line)}</p>" for line in tables._fastest_line(frame, metric).splitlines()]
+        parts += [f"<p>{_esc(line)}</p>" for line in tables._fastest_line(frame, metric, generation).splitlines()]
     return "\n".join(parts)
 
 
@@ -119,18 +130,20 @@ def environment_rows(df: pd.DataFrame) -> tuple[list[list[str]], list[str]]:
 
 
 def render(df: pd.DataFrame, groups: pd.DataFrame, figures: list[tuple[str, str]], sources: list[str],
-           warnings: list[str], metric: str = "epoch-time") -> str:
-    """The page. ``groups``: ``compare.rank``'s frame; ``figures``: (PNG file name, caption)."""
+           warnings: list[str], metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None) -> str:
+    """The page. ``groups``: ``compare.rank``'s frame; ``figures``: (PNG file name, caption);
+    ``generation``: ``generation.rank``'s frame, where the rows generated."""
     parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">', "<title>benchbackend report</title>",
              f"<style>{_STYLE}</style></head><body>", "<h1>benchbackend report</h1>",
              "<p>From " + ", ".join(f"<code>{_esc(Path(s))}</code>" for s in sources) + "</p>"]
     if warnings:
         parts += ["<h2>Warnings</h2>",
                   table(["#", "warning"], [[str(i), w] for i, w in enumerate(warnings, 1)], {0}, "warnings")]
-    parts += ["<h2>Summary</h2>", summary_html(groups, metric)]
-    if groups["baseline"].ne("").any():
+    parts += ["<h2>Summary</h2>", summary_html(groups, metric, generation)]
+    speed = groups[~generations.only_generation(groups, generation)]  # generation's verdicts are in its tables
+    if speed["baseline"].ne("").any():
         parts += ["<h2>Verdicts</h2>", f"<p>{_esc(tables.convention(metric=metric).splitlines()[0])}</p>",
-                  table(VERDICT_HEAD, verdicts_rows(groups), {5, 6, 8, 9})]
+                  table(VERDICT_HEAD, verdicts_rows(speed), {5, 6, 8, 9})]
     env, missing = environment_rows(df)
     if env or missing:
         parts.append("<h2>Environment</h2>")

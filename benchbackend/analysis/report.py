@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import pandas as pd
 
 from ..errors import ResultsError
-from . import compare, page, plots, plots_scaling, scaling, summary
+from . import compare, generation, page, plots, plots_generation, plots_scaling, scaling, summary
 from .busy import BUSY_SHARE
 from .experiments import CONTEXT_KEYS, GROUP_KEYS, LABEL_NAMES, REPEAT_KEYS, context_name, text, with_experiment
 
@@ -100,6 +100,14 @@ def _context_figures(df: pd.DataFrame, timed: pd.DataFrame, ctx: tuple, frame: p
                          f"Training loss and validation accuracy per epoch on {where}: the median over repeats, the "
                          "band spans their min to max. Backends that agree draw the same curve: hollow markers of "
                          "different sizes keep each visible. Dotted: failed; a red x: the loss stopped being finite."))
+    decode = timed[(timed["experiment"] == ctx[0]) & (timed["device"] == ctx[1]) & (timed["phase"] == "decode")]
+    if len(decode):
+        out.append(Drawn(f"{stem}-tpot-depth", plots_generation.tpot_depth_figure(decode, frame, where),
+                         f"Time per output token against cache depth on {where} (--generate): per group, the median "
+                         "TPOT of each decode step over the passes after each repeat's first and over its timed "
+                         "repeats, at the tokens already in the key/value cache; one segment per prompt length; "
+                         "dashed and flat: a backend that ran every step in one dispatch (its mean TPOT). Dotted: "
+                         "a group that failed a check (not ranked)."))
     if len(rows[rows["phase"] == "inference"]):
         samples = frame["infer_samples"].max()
         out.append(Drawn(f"{stem}-inference", plots.inference_figure(infer, frame, where, samples),
@@ -188,7 +196,9 @@ def write_report(df: pd.DataFrame, out_dir: Path, summary_text: str = "", warnin
     out_dir = Path(out_dir)
     df = with_experiment(df)
     drawn = figures(df, baseline)
-    groups, _ = compare.rank(summary.summarize(df), baseline, metric)
+    reduced = summary.summarize(df)
+    groups, _ = compare.rank(reduced, baseline, metric)
+    gen = generation.rank(groups, reduced.repeats, df)
     written: list[Path] = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -199,7 +209,7 @@ def write_report(df: pd.DataFrame, out_dir: Path, summary_text: str = "", warnin
         index = out_dir / "index.html"
         sources = sorted(set(df["source"])) if "source" in df else []
         captions = [(path.name, item.caption) for path, item in zip(written, drawn)]
-        index.write_text(page.render(df, groups, captions, sources, list(warnings), metric), encoding="utf-8")
+        index.write_text(page.render(df, groups, captions, sources, list(warnings), metric, gen), encoding="utf-8")
     except OSError as exc:
         raise ResultsError(f"{out_dir}: cannot write plots ({exc})") from None
     return written + [index]

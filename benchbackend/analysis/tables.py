@@ -4,11 +4,12 @@ from __future__ import annotations
 import io
 import json
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pandas as pd
 
 from ..results import TRAIN_FLOPS_FACTOR
+from . import generation as generations
 from . import scaling
 from .experiments import CONTEXT_KEYS, context_name
 from .stats import CI_LABEL, ESTIMATOR, MIN_REPEATS, RANGE_LABEL, WIDE_SPAN, Ratio
@@ -193,8 +194,8 @@ def mfu_line(frame: pd.DataFrame) -> str:
     return "; ".join(parts)
 
 
-def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time") -> str:
-    parts, notes = [], []
+def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None) -> str:
+    parts, notes = generations.fastest(generations.in_context(generation, frame))
     train_what = "time to accuracy" if metric == TTA else "training"
     for prefix, col, what in (("train", METRICS[metric], train_what), ("infer", "infer_s", "inference")):
         timed = frame[frame[col].notna()]
@@ -246,9 +247,10 @@ def _contexts(groups: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     return out
 
 
-def _aligned(head: list[str], rows: list[list[str]]) -> str:
+def _aligned(head: list[str], rows: list[list[str]], left: Optional[set[int]] = None) -> str:
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    left = {1, 2, 3, len(head) - 1}  # names, status, repeats and the verdict read left to right
+    # names, status, repeats and the verdict read left to right
+    left = {1, 2, 3, len(head) - 1} if left is None else left
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) if i in left or i == 0 else c.rjust(w)
@@ -257,17 +259,19 @@ def _aligned(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def _markdown(head: list[str], rows: list[list[str]]) -> str:
+def _markdown(head: list[str], rows: list[list[str]], left: Optional[set[int]] = None) -> str:
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
-    align = ["---" if i in (1, 2, 3, len(head) - 1) else "--:" for i in range(len(head))]
+    left = {1, 2, 3, len(head) - 1} if left is None else left
+    align = ["---" if i in left else "--:" for i in range(len(head))]
     return "\n".join([line(head), "|" + "|".join(align) + "|"] + [line(r) for r in rows])
 
 
-def _text(groups: pd.DataFrame, table: Callable[[list[str], list[list[str]]], str], markdown: bool,
-          metric: str = "epoch-time", verdicts: bool = True) -> str:
-    blocks = [convention(metric=metric)]
+def _text(groups: pd.DataFrame, table: Callable[..., str], markdown: bool,
+          metric: str = "epoch-time", verdicts: bool = True, generation: Optional[pd.DataFrame] = None) -> str:
+    blocks = [convention(metric=metric)] + ([generations.CONVENTION] if generation is not None and len(generation)
+                                            else [])
     for title, what, frame in _contexts(groups):
         parts = [f"### {title}" if markdown else f"== {title} =="]
         about = [line for line in (what, mfu_line(frame)) if line]
@@ -275,23 +279,27 @@ def _text(groups: pd.DataFrame, table: Callable[[list[str], list[list[str]]], st
             parts.append(("\n\n" if markdown else "\n").join(about))
         trains = frame[~frame["inference_only"].astype(bool)]
         timed_infer = frame["infer_s"].notna().any()
-        if len(trains) and (trains[["first_s", "steady_s"]].notna().any(axis=None) or not timed_infer):
-            parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains, metric))]
-        if timed_infer or not len(trains):
-            parts += ["**Inference**" if markdown else "Inference", table(*_infer_rows(frame))]
+        gen = generations.in_context(generation, frame)
+        if gen is None or frame[["first_s", "steady_s", "infer_s"]].notna().any(axis=None):
+            if len(trains) and (trains[["first_s", "steady_s"]].notna().any(axis=None) or not timed_infer):
+                parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains, metric))]
+            if timed_infer or not len(trains):
+                parts += ["**Inference**" if markdown else "Inference", table(*_infer_rows(frame))]
+        if gen is not None:
+            parts += generations.blocks(gen, table, markdown)
         scaled = scaling.rows(frame) if "replicas" in frame else None
         if scaled is not None:
             parts += ["**Scaling**" if markdown else "Scaling", scaling.SCALING_LINE, table(*scaled)]
         if verdicts:
-            parts.append(_fastest_line(frame, metric))
+            parts.append(_fastest_line(frame, metric, generation))
         blocks.append(("\n\n" if markdown else "\n").join(parts))
     return "\n\n".join(blocks) + "\n"
 
 
-def verdict_lines(groups: pd.DataFrame, metric: str = "epoch-time") -> str:
+def verdict_lines(groups: pd.DataFrame, metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None) -> str:
     """Each comparison's verdict (its fastest correct backend, and any quicker one that failed
     its checks), named by the comparison: what ``run`` ends with, after the warnings."""
-    return "\n".join(f"{context_name(ctx)}: {_fastest_line(frame, metric)}"
+    return "\n".join(f"{context_name(ctx)}: {_fastest_line(frame, metric, generation)}"
                      for ctx, frame in groups.groupby(CONTEXT_KEYS, sort=False))
 
 
@@ -306,21 +314,24 @@ def records(groups: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def render(groups: pd.DataFrame, fmt: str, warnings: list[str], metric: str = "epoch-time",
-           verdicts: bool = True) -> str:
+           verdicts: bool = True, generation: Optional[pd.DataFrame] = None) -> str:
     """Render ``groups`` (from ``compare.rank``) as table, markdown, csv or json; json holds the
     metric, the estimator (``stats.ESTIMATOR``: of every time and, as their ratio, every speed-up)
     and the warnings too, the other formats leave the warnings to the caller. A table
-    without ``verdicts`` leaves out each section's "fastest correct" line (``verdict_lines``)."""
+    without ``verdicts`` leaves out each section's "fastest correct" line (``verdict_lines``).
+    ``generation`` (``generation.rank``) adds each context's generation tables (json: its records;
+    csv holds the groups only)."""
     if fmt == "table":
-        return _text(groups, _aligned, markdown=False, metric=metric, verdicts=verdicts)
+        return _text(groups, _aligned, markdown=False, metric=metric, verdicts=verdicts, generation=generation)
     if fmt == "markdown":
-        return _text(groups, _markdown, markdown=True, metric=metric)
+        return _text(groups, _markdown, markdown=True, metric=metric, generation=generation)
     if fmt == "csv":
         buf = io.StringIO()
         pd.DataFrame(records(groups)).to_csv(buf, index=False)
         return buf.getvalue()
     if fmt == "json":
-        return json.dumps({"metric": metric, "estimator": ESTIMATOR, "groups": records(groups), "warnings": warnings},
+        return json.dumps({"metric": metric, "estimator": ESTIMATOR, "groups": records(groups), "warnings": warnings,
+                           **({"generation": generations.records(generation)} if generation is not None else {})},
                           indent=2) + "\n"
     raise ValueError(f"unknown format {fmt!r}")
 

@@ -14,6 +14,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence, TextIO
 
 if TYPE_CHECKING:
@@ -221,9 +222,43 @@ def display(quiet: bool = False, stream: Optional[TextIO] = None) -> Display:
     return LiveDisplay(stream) if interactive else PlainDisplay(stream)
 
 
+#: A generation pass being logged, per cell (see :func:`_generation_line`): its time to first token,
+#: and the seconds and steps of its decode rows so far.
+_passes: dict[int, list[float]] = {}
+
+
+def _generation_line(row: dict[str, Any], workload: Any, cell: int) -> Optional[str]:
+    """One line per generation pass (``--generate``), on its last decode row: the time to first token
+    and the mean time per output token, not a line per step. A pass's rows come together (the worker
+    writes them after the pass: its prefill, then its decode steps in order), so the pass is held
+    from its prefill row to the row of its last step; ``cell`` tells concurrent cells' passes apart."""
+    if row["phase"] == "prefill":
+        _passes[cell] = [row["seconds"], 0.0, 0.0]
+        return None
+    held = _passes.get(cell)
+    if held is None:
+        return None
+    steps = int(row.get("steps") or 1)
+    held[1] += row["seconds"]
+    held[2] += steps
+    if int(row.get("step") or 1) + steps < int(row.get("new_tokens") or 0):
+        return None  # not the pass's last step yet
+    ttft, seconds, count = _passes.pop(cell)
+    passes = workload.generating.passes
+    warm = " (warm-up)" if row.get("pass") == 1 and passes > 1 else ""
+    tpot = seconds / count
+    rate = f", {(row.get('samples') or 1) / tpot:,.0f} tokens/s" if tpot > 0 else ""
+    return (f"generation pass {row.get('pass')}/{passes}{warm}, prompt {row.get('prompt_tokens')}: "
+            f"TTFT {ttft * 1e3:.2f} ms, TPOT mean {tpot * 1e3:.3f} ms over {count:g} steps{rate}")
+
+
 def row_line(row: dict[str, Any], workload: Any, inference_seconds: list[float]) -> Optional[str]:
-    """The log line of one measured row (None for rows that say nothing worth a line)."""
+    """The log line of one measured row (None for rows that say nothing worth a line).
+    ``inference_seconds`` is the cell's own list of inference pass times (the runner's), which also
+    names the cell while a generation pass is being logged."""
     phase = row.get("phase")
+    if phase in ("prefill", "decode") and row.get("seconds") is not None:
+        return _generation_line(row, workload, id(inference_seconds))
     if phase == "train_epoch" and row.get("tokens_per_s"):  # a language model: its loss, perplexity, tokens/s
         return (f"epoch {row['epoch']}/{workload.training.epochs}  loss {row['loss']:.4f}  val_loss "
                 f"{row['val_loss']:.4f}  ppl {math.exp(min(row['val_loss'], 700)):.2f}  {row['seconds']:.2f}s  "
@@ -250,11 +285,30 @@ def row_line(row: dict[str, Any], workload: Any, inference_seconds: list[float])
     return None
 
 
-def summary_line(result: Any) -> str:
+@dataclass(frozen=True)
+class Generated:
+    """One prompt length's figures of a generation cell for its summary line, as ``compare`` reduces
+    a repeat (``analysis.generation.per_repeat``): over the passes after the first, the median time
+    to first token, the time per output token's p50 and p99 over every decode step, and the batch
+    over the mean time per output token."""
+
+    prompt_tokens: int
+    ttft_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    decode_tps: float
+
+    def text(self) -> str:
+        return (f"p{self.prompt_tokens}: TTFT {self.ttft_s * 1e3:.3g}ms  TPOT p50 {self.tpot_p50_s * 1e3:.3g}ms "
+                f"p99 {self.tpot_p99_s * 1e3:.3g}ms  {self.decode_tps:,.0f} tok/s")
+
+
+def summary_line(result: Any, generated: Sequence[Generated] = ()) -> str:
     """One cell in the end-of-run summary (a ``runner.CellResult``): status, steady epoch time (the
     median of the epochs after the first; none with one epoch, as ``compare`` says; a cell stopped
     before its last epoch says after which), final
-    validation accuracy, steady inference time."""
+    validation accuracy, steady inference time; for a generation cell instead, per prompt length,
+    its ``generated`` figures (``generation n/a`` where none were measured)."""
     cell = result.cell
     steady = result.epoch_seconds[1:]  # the first epoch holds tracing and compilation: never steady
     ran, epochs = len(result.epoch_seconds), cell.workload.training.epochs
@@ -267,4 +321,7 @@ def summary_line(result: Any) -> str:
     name, choice = _names(cell)
     head = f"{name:<10} {choice:<28} {result.device:<8} r{cell.repeat}"
     tail = f"  {result.message}" if result.message and result.status != "ok" else ""
+    if generated or (cell.workload.generation is not None and not ran and not passes):
+        figures = "; ".join(g.text() for g in generated) or "generation n/a"
+        return f"{head}  {result.status:<16} {figures}{tail}"
     return f"{head}  {result.status:<16} {epoch}  {acc}  {inf}{tail}"
