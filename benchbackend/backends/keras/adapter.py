@@ -35,6 +35,7 @@ import numpy as np
 from ...errors import BackendUnavailable
 from ...spec.workload import Workload
 from ..base import Backend
+from .generation import KerasGeneration
 from .layers import KerasNet, keras3_build, keras3_optimizer
 
 
@@ -54,8 +55,9 @@ class _Batches(keras.utils.PyDataset):
         return tuple(a[start:start + self.batch_size] for a in self.arrays)
 
 
-class KerasBackend(Backend):
-    """Keras 3 on ``framework`` (the value of ``KERAS_BACKEND`` it needs)."""
+class KerasBackend(KerasGeneration, Backend):
+    """Keras 3 on ``framework`` (the value of ``KERAS_BACKEND`` it needs). Generation: the cached
+    forward of ``generation.py`` (``jax.jit`` on JAX, eager on PyTorch)."""
 
     framework: ClassVar[str] = ""
 
@@ -137,6 +139,9 @@ class KerasBackend(Backend):
 
     def to_device(self, x: np.ndarray) -> Any:
         return self._put(np.ascontiguousarray(x, np.float32))
+
+    def to_host(self, value: Any) -> Any:
+        return keras.ops.convert_to_numpy(value)  # a torch tensor on a GPU too (np.asarray would refuse it)
 
     def epoch_arrays(self, order: np.ndarray) -> tuple[Any, Any]:
         """The training arrays in the epoch's ``order``: one gather on the device where they live there."""

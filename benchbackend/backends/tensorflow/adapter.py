@@ -21,6 +21,7 @@ import tensorflow as tf
 from ...errors import BackendUnavailable
 from ...spec.workload import Workload
 from ..base import Backend, gemm_rate, gpu_index
+from ..keras.generation import KerasGeneration
 from ..keras.layers import KerasNet, keras3_build, keras3_optimizer
 from ..precision import capability_of, check_tf32, math_mode
 
@@ -38,7 +39,10 @@ class _PolicyLayers:
         return functools.partial(getattr(keras.layers, name), dtype=self.policy)
 
 
-class TensorFlowBackend(Backend):
+class TensorFlowBackend(KerasGeneration, Backend):
+    """Generation: the Keras family's cached forward (``keras/generation.py``) in ``tf.function``s
+    on this device, under the model's dtype policy, XLA in the ``xla`` mode."""
+
     name = "tensorflow"
 
     def __init__(self, workload: Workload, device: str, mode: str = "tf.function", precision: str = "fp32",
@@ -159,6 +163,9 @@ class TensorFlowBackend(Backend):
 
     def threads(self) -> int:
         return tf.config.threading.get_intra_op_parallelism_threads() or (os.cpu_count() or 1)
+
+    def _generation_options(self) -> dict[str, Any]:
+        return {"device": self.device, "jit": self.jit}
 
     # --- data -------------------------------------------------------------------------------
     # An eager tensor made under tf.device is copied to that device (int64 labels too; TF keeps
