@@ -144,7 +144,7 @@ def test_torch_bf16_resnet20_trajectory_passes_its_bound(tmp_path: Path) -> None
     from the float64 reference by 2.9e-2 at step 2, past the default bf16 bound (measured on
     cifar10: 1.25e-2 there), so every bf16 resnet20 cell read parity_mismatch. resnet20 declares its
     own bf16 bound (workloads/resnet20.yaml, measured over torch, TensorFlow and JAX)."""
-    resnet = W.load("resnet20").with_overrides(limit=640, epochs=1)
+    resnet = W.load("resnet20").with_overrides(limit=256, epochs=1, seed=1)
     resnet = resnet.model_copy(update={"data": resnet.data.model_copy(update={"validation": 32, "test": 32}),
                                        "inference": resnet.inference.model_copy(update={"repeats": 1})})
     data = Path(job_arrays(tmp_path, resnet))
@@ -160,7 +160,7 @@ def test_torch_bf16_resnet20_trajectory_passes_its_bound(tmp_path: Path) -> None
     assert checks.trajectory(raw, default, "bf16")["parity_step"] == 2
     # Forward parity, both rows (inference mode; training mode with batch statistics), against
     # resnet20's own bf16 tolerance: the second H100 run read 1.45e-2 in training mode, past the
-    # default rtol (1e-2), on a correct run; so does this batch on the CPU (1.27e-2).
+    # default rtol (1e-2), on a correct run; so does this batch on the CPU (1.89e-2).
     forward = [m for m in msgs if m.get("phase") == "parity" and not m.get("steps")]
     assert len(forward) == 2
     own, default_tol = resnet.checks.tolerance("bf16"), W.DEFAULT_TOLERANCES["bf16"]
