@@ -197,3 +197,13 @@ def test_a_numpy_generation_run_ends_with_its_figures(tmp_path: Path) -> None:
     assert "p16: TTFT " in line and "TPOT p50 " in line and " tok/s" in line and "epoch n/a" not in line
     gen = _gen(out).loc[("numpy", 16)]
     assert gen["ttft_s"] > 0 and gen["decode_tps"] > 0 and gen["status"] == "ok"
+
+
+def test_fail_on_regression_reads_decode_tokens_and_ttft(tmp_path: Path) -> None:
+    path = _csv(tmp_path, ("numpy", 0.002, {}), ("torch", 0.001, {"ttft": 0.008}))
+    slow = compare.run_compare([str(path)], baseline="torch", candidate=("numpy",), fail_on_regression=1.5)
+    assert slow.exit_code == compare.EXIT_REGRESSION
+    assert any(w.startswith("regression: gpt-nano/cpu/numpy decode tokens/s at prompt 64 is ") for w in slow.warnings)
+    assert not any("time to first token" in w for w in slow.warnings)  # the same TTFT: within the limit
+    fine = compare.run_compare([str(path)], baseline="numpy", candidate=("torch",), fail_on_regression=1.5)
+    assert fine.exit_code == 0 and not any("regression" in w for w in fine.warnings)

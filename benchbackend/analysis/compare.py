@@ -267,7 +267,8 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
     timings cannot speak for it; under ``time-to-accuracy`` also when it never reached the
     target. Else ``EXIT_REGRESSION`` when a candidate is slower than the baseline by more than
     ``factor`` (point estimate) *and* significantly so (the 95% interval of the speed-up lies
-    below 1). With no candidate named, every non-baseline group is one.
+    below 1). With no candidate named, every non-baseline group is one. (Generation's TTFT and
+    decode tokens/s: ``generation.regressions``, by the same rule.)
     """
     out, code = [], 0
     for key, row in groups.iterrows():
@@ -343,7 +344,11 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
     warnings = report_warnings(groups, df, warnings, notes, metric)
     found, code = (regressions(groups, candidate, fail_on_regression, metric) if fail_on_regression is not None
                    else ([], 0))
-    return groups, warnings + found, code, generation.rank(groups, reduced.repeats, df)
+    gen = generation.rank(groups, reduced.repeats, df)
+    if fail_on_regression is not None:
+        more, worse = generation.regressions(gen, groups, candidate, fail_on_regression)
+        found, code = found + more, code or worse
+    return groups, warnings + found, code, gen
 
 
 def report_warnings(groups: pd.DataFrame, df: pd.DataFrame, ranking: list[str], notes: list[str],

@@ -201,6 +201,37 @@ def rank(groups: pd.DataFrame, repeats: pd.DataFrame, df: pd.DataFrame) -> pd.Da
     return out
 
 
+def regressions(gen: pd.DataFrame, groups: pd.DataFrame, candidate: tuple[str, ...],
+                factor: float) -> tuple[list[str], int]:
+    """``compare --fail-on-regression`` on generation (``compare.regressions``' rule: a failed
+    candidate is its business): messages, and ``EXIT_REGRESSION`` where a candidate's TTFT or decode
+    tokens/s at some prompt length is slower than the baseline's by more than ``factor`` and
+    significantly so."""
+    from .caveats import group_name
+    from .compare import EXIT_REGRESSION, WITHHELD, _is_candidate
+
+    out, code = [], 0
+    if gen.empty:
+        return out, code
+    for index, row in gen.iterrows():
+        key = tuple(index[:5])
+        if row["status"] != "ok" or not _is_candidate(key, groups.loc[key], candidate):
+            continue
+        for prefix, what in (("ttft", "time to first token"), ("decode", "decode tokens/s")):
+            ratio, verdict = row[f"{prefix}_ratio"], row[f"{prefix}_verdict"]
+            if verdict == "baseline" or not ratio > 0 or 1 / ratio <= factor:
+                continue
+            said = (f"{group_name(groups, key)} {what} at prompt {index[5]:g} is {1 / ratio:.2f}x slower than "
+                    f"{row['baseline']} (limit {factor:g}x; {row[f'{prefix}_text']})")
+            if verdict == "slower":
+                out.append(f"regression: {said}")
+                code = EXIT_REGRESSION
+            else:
+                out.append(f"possible regression, {'verdict withheld' if verdict in WITHHELD else 'not significant'}: "
+                           f"{said}")
+    return out, code
+
+
 def in_context(generation: Optional[pd.DataFrame], frame: pd.DataFrame) -> Optional[pd.DataFrame]:
     """The generation rows of ``frame``'s experiment and device (``frame``: one context of compare's
     groups), or None where it generated nothing."""
