@@ -9,6 +9,13 @@ inputs would copy every batch to the GPU inside the clock. On a CPU the same cod
 ``OrtValue`` on "cpu" wraps the NumPy array without a copy), which keeps the CUDA path tested.
 ONNX Runtime reports no free device memory and no memory counter: the arrays are taken to fit,
 and ``peak_device_mb`` stays empty.
+
+Generation (``onnx/generation.py``: optimum's prefill and decode graphs, one session each, built on
+the first ``start_generation``): each graph runs through an ``IOBinding`` whose outputs ORT
+allocates on the session's device; the ``present`` keys and values stay there (``OrtValue`` objects)
+and are bound as the next step's ``past`` (no copy to the host), and the ids a step returns are
+bound as the next step's ``input_ids`` ``[batch, 1]`` at their own buffer. Only the prompt
+(prefill) and the position (decode) come from the host, inside the run.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import onnxruntime as ort
 from ...errors import BackendUnavailable
 from ...spec.workload import Workload
 from ..base import Backend, gpu_index
+from ..onnx import generation as onnx_generation
 from ..onnx import graph as onnx_graph
 
 
@@ -37,8 +45,13 @@ class Placed:
         return int(self.value.shape()[0])
 
 
+#: ONNX Runtime's element types, in bytes (``OrtValue.data_type()``): the cache's real dtype.
+_ITEM_BYTES = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(bfloat16)": 2, "tensor(double)": 8}
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    generation_note = ""
 
     def __init__(self, workload: Workload, device: str, mode: str = "default", precision: str = "fp32",
                  options: Optional[Mapping[str, Any]] = None):
@@ -57,6 +70,11 @@ class OnnxRuntimeBackend(Backend):
         self.session: Optional[ort.InferenceSession] = None
         self.binding: Optional[Any] = None
         self.out_shape = onnx_graph.output_shape(workload)  # one sample's scores
+        self.weights: Sequence[np.ndarray] = ()
+        #: The generation graphs' sessions and bindings (prefill, decode), made on first use.
+        self.generator: Optional[tuple[ort.InferenceSession, Any, ort.InferenceSession, Any]] = None
+        self.present: list[ort.OrtValue] = []  # the cache after the last step: present.{i}.key/value
+        self.layers = 0  # attention layers: the cache's
 
     @classmethod
     def probe(cls) -> dict:
@@ -79,18 +97,22 @@ class OnnxRuntimeBackend(Backend):
 
     def build(self, weights: Sequence[np.ndarray]) -> int:
         model = onnx_graph.build_model(self.workload, weights)
+        self.session = self._session(model)
+        self.binding = self.session.io_binding()
+        self.weights = weights  # the generation graphs are built from them when first asked for
+        return onnx_graph.param_count(model)
+
+    def _session(self, model: Any) -> ort.InferenceSession:
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if self.options.threads:
             opts.intra_op_num_threads = self.options.threads
-        provider = self.provider_spec()
-        self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=[provider])
-        if self.session.get_providers()[0] != self.provider:
+        session = ort.InferenceSession(model.SerializeToString(), opts, providers=[self.provider_spec()])
+        if session.get_providers()[0] != self.provider:
             # ORT falls back to the CPU silently when the CUDA provider fails to load (no cuDNN, ...).
             raise BackendUnavailable(f"onnxruntime could not start {self.provider}; "
-                                     f"the session runs on {self.session.get_providers()[0]}")
-        self.binding = self.session.io_binding()
-        return onnx_graph.param_count(model)
+                                     f"the session runs on {session.get_providers()[0]}")
+        return session
 
     def provider_spec(self) -> Any:
         """The session's provider with its options. The CUDA provider's ``device_id``: without it
@@ -141,3 +163,46 @@ class OnnxRuntimeBackend(Backend):
         """Wait for the bound outputs (the CUDA provider's stream); a real call on a CPU too."""
         if self.binding is not None:
             self.binding.synchronize_outputs()
+
+    # --- generation: optimum's prefill and decode graphs, the cache kept as OrtValues ------------
+    def start_generation(self, batch: int, positions: int) -> None:
+        onnx_generation.check(self.workload, positions, self.name)
+        if self.generator is None:
+            prefill, decode = (self._session(onnx_generation.build_model(self.workload, self.weights, d))
+                               for d in (False, True))
+            self.generator = (prefill, prefill.io_binding(), decode, decode.io_binding())
+        self.layers = len(onnx_generation.attention_layers(self.workload))
+
+    def _step(self, session: ort.InferenceSession, binding: Any) -> ort.OrtValue:
+        """Run ``session`` on ``binding``'s inputs with every output ORT-allocated on the device anew
+        (a rebound output is a new buffer: the ids and cache just bound as inputs are not written);
+        keeps the present keys and values, returns the ids."""
+        for name in [onnx_generation.NEXT_IDS, *onnx_generation.present_names(self.layers)]:
+            binding.bind_output(name, self.ort_device, self._id(self.ort_device))
+        session.run_with_iobinding(binding)
+        ids, *self.present = binding.get_outputs()
+        return ids
+
+    def prefill(self, ids: np.ndarray) -> ort.OrtValue:
+        assert self.generator is not None
+        session, binding = self.generator[:2]
+        ids = np.ascontiguousarray(ids, np.int32)  # held until the run: the binding may read it there
+        binding.bind_cpu_input(onnx_generation.INPUT_IDS, ids)
+        return self._step(session, binding)
+
+    def decode(self, ids: ort.OrtValue, position: int) -> ort.OrtValue:
+        assert self.generator is not None
+        session, binding = self.generator[2:]
+        batch = int(ids.shape()[0])
+        # The (B,) ids as the graph's [B, 1] input, read where they lie (no copy).
+        binding.bind_input(onnx_generation.INPUT_IDS, self.ort_device, self._id(self.ort_device), np.int32,
+                           [batch, 1], ids.data_ptr())
+        where = np.array([position], np.int64)
+        binding.bind_cpu_input(onnx_generation.POSITION, where)
+        for name, value in zip(onnx_generation.past_names(self.layers), self.present):
+            binding.bind_ortvalue_input(name, value)
+        return self._step(session, binding)
+
+    def cache_bytes(self) -> tuple[int, int]:
+        nbytes = sum(int(np.prod(v.shape())) * _ITEM_BYTES[v.data_type()] for v in self.present)
+        return nbytes, int(self.present[0].shape()[2]) if self.present else 0
