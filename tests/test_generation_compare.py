@@ -142,6 +142,10 @@ def test_a_busy_machine_withholds_the_verdict(tmp_path: Path) -> None:
 def test_a_generation_mismatch_is_not_ranked_even_when_quickest(tmp_path: Path) -> None:
     path = _csv(tmp_path, ("numpy", 0.002, {}), ("torch", 0.001, {}),
                 ("onnxruntime", 0.0001, {"status": "generation_mismatch"}))
+    writer = results.CsvWriter(path)
+    writer.adopt(len(results.read(path)))  # appended under the file's header
+    writer.write(dict(ENV, run_id="run-tvm", workload="gpt-nano", workload_hash="g1", backend="tvm", device="cpu",
+                      repeat=1, status="unavailable", phase="run", message="tvm: no key/value cache", cell_order=9))
     out = compare.run_compare([str(path)], baseline="numpy")
     gen = out.generation.reset_index().set_index("label")
     onnx = gen.loc["onnxruntime"]
@@ -149,6 +153,8 @@ def test_a_generation_mismatch_is_not_ranked_even_when_quickest(tmp_path: Path) 
     assert math.isnan(onnx["decode_ratio"]) and onnx["decode_tps"] > gen.loc["torch", "decode_tps"]
     assert gen.loc["torch", "fastest"]
     assert "onnxruntime decoded quicker at prompt 64 but is generation_mismatch, so it is not ranked" in out.verdict
+    tvm = gen.loc["tvm"]  # a backend that cannot generate: a row of its own, not ranked
+    assert tvm["decode_verdict"] == "not ranked (unavailable)" and math.isnan(tvm["prompt_tokens"])
 
 
 def test_the_report_has_the_tpot_against_depth_figure(tmp_path: Path) -> None:

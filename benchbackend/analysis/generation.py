@@ -151,8 +151,6 @@ def rank(groups: pd.DataFrame, repeats: pd.DataFrame, df: pd.DataFrame) -> pd.Da
     experiment, device and prompt length's fastest correct group by decode tokens/s. Groups of a
     context that generated but have no generation rows (unavailable, crashed) have one row with no
     prompt length. Empty when ``df`` has no generation rows."""
-    from .compare import BUSY
-
     per = per_repeat(df, repeats)
     if per.empty:
         return pd.DataFrame()
@@ -160,9 +158,6 @@ def rank(groups: pd.DataFrame, repeats: pd.DataFrame, df: pd.DataFrame) -> pd.Da
     by = timed.groupby(KEYS, sort=True, dropna=False)
     out = by[list(VALUES)].median()
     out["n"] = by.size()
-    busy = timed.assign(busy=timed["gen_busy"] > BUSY_SHARE).groupby(KEYS, dropna=False)
-    counts = {k: (int(b), int(n), float(s)) for k, b, n, s in
-              zip(busy.size().index, busy["busy"].sum(), busy.size(), busy["gen_busy"].max())}
     contexts = {tuple(c) for c in per[CONTEXT_KEYS].drop_duplicates().itertuples(index=False)}
     shown = {tuple(k[:5]) for k in out.index}
     missing = [k for k in groups.index if tuple(k[:2]) in contexts and tuple(k) not in shown]
@@ -173,32 +168,39 @@ def rank(groups: pd.DataFrame, repeats: pd.DataFrame, df: pd.DataFrame) -> pd.Da
     info = groups.reindex([k[:5] for k in out.index])
     for col in ("label", "status", "repeats", "ok_repeats", "failed", "baseline"):
         out[col] = info[col].to_numpy()
+    busy = timed.assign(busy=timed["gen_busy"] > BUSY_SHARE).groupby(KEYS, dropna=False)
+    counts = {k: (int(b), int(n), float(s)) for k, b, n, s in
+              zip(busy.size().index, busy["busy"].sum(), busy.size(), busy["gen_busy"].max())}
     samples = {k: timed.iloc[at] for k, at in by.indices.items()}
-    rows: dict[str, list[Any]] = {c: [] for c in ("fastest", *(f"{p}_{c}" for p, _, _ in VERDICTS for c in
-                                                              ("ratio", "ratio_low", "ratio_high", "verdict", "text")))}
-    for index, row in out.iterrows():
-        key, prompt = GroupKey.of(index[:5]), index[5]
-        ctx = out[(out.index.get_level_values("experiment") == key.experiment)
-                  & (out.index.get_level_values("device") == key.device)]
-        base = next((GroupKey.of(k[:5]) for k, r in ctx.iterrows() if r["baseline"] and r["label"] == r["baseline"]),
-                    None)
-        same = ctx[(ctx.index.get_level_values("prompt_tokens") == prompt) & (ctx["status"] == "ok")]
-        quiet = [k for k in same.index if not counts.get(k, (0,))[0] and math.isfinite(same.loc[k, "decode_tps"])]
-        rows["fastest"].append(bool(quiet) and max(quiet, key=lambda k: same.loc[k, "decode_tps"]) == index)
-        mine, theirs = samples.get(index), samples.get((*base.index, prompt)) if base is not None else None
-        for prefix, col, _ in VERDICTS:
-            r = (stats.compare_times(theirs[col].to_numpy(dtype=float), mine[col].to_numpy(dtype=float))
-                 if theirs is not None and mine is not None and key != base and row["status"] == "ok" else None)
-            verdict, text = _verdict(r, key, base, str(row["status"]))
-            why = _busy(counts, key, base, prompt) if r is not None else ""
-            if why:
-                verdict, text = BUSY, why
-            for c, v in (("ratio", r.ratio if r else math.nan), ("ratio_low", r.low if r else math.nan),
-                         ("ratio_high", r.high if r else math.nan), ("verdict", verdict), ("text", text)):
-                rows[f"{prefix}_{c}"].append(v)
-    for col, values in rows.items():
-        out[col] = values
-    return out
+    columns = [f"{p}_{c}" for p, _, _ in VERDICTS for c in ("ratio", "ratio_low", "ratio_high", "verdict", "text")]
+    ranked = [_versus(out, index, counts, samples) for index in out.index]
+    return out.join(pd.DataFrame(ranked, index=out.index, columns=["fastest", *columns]))
+
+
+def _versus(out: pd.DataFrame, index: tuple, counts: dict[tuple, tuple[int, int, float]],
+            samples: dict[tuple, pd.DataFrame]) -> list[Any]:
+    """Whether the generation group ``index`` is its prompt length's fastest correct one, then per
+    ``VERDICTS`` prefix its ratio, bounds, verdict and text against its context's baseline."""
+    from .compare import BUSY
+
+    row, key, prompt = out.loc[index], GroupKey.of(index[:5]), index[5]
+    ctx = out[(out.index.get_level_values("experiment") == key.experiment)
+              & (out.index.get_level_values("device") == key.device)]
+    base = next((GroupKey.of(k[:5]) for k, r in ctx.iterrows() if r["baseline"] and r["label"] == r["baseline"]),
+                None)
+    same = ctx[(ctx.index.get_level_values("prompt_tokens") == prompt) & (ctx["status"] == "ok")]
+    quiet = [k for k in same.index if not counts.get(k, (0,))[0] and math.isfinite(same.loc[k, "decode_tps"])]
+    values: list[Any] = [bool(quiet) and max(quiet, key=lambda k: same.loc[k, "decode_tps"]) == index]
+    mine, theirs = samples.get(index), samples.get((*base.index, prompt)) if base is not None else None
+    for _, col, _ in VERDICTS:
+        r = (stats.compare_times(theirs[col].to_numpy(dtype=float), mine[col].to_numpy(dtype=float))
+             if theirs is not None and mine is not None and key != base and row["status"] == "ok" else None)
+        verdict, text = _verdict(r, key, base, str(row["status"]))
+        why = _busy(counts, key, base, prompt) if r is not None else ""
+        if why:
+            verdict, text = BUSY, why
+        values += [r.ratio if r else math.nan, r.low if r else math.nan, r.high if r else math.nan, verdict, text]
+    return values
 
 
 def regressions(gen: pd.DataFrame, groups: pd.DataFrame, candidate: tuple[str, ...],
