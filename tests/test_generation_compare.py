@@ -134,9 +134,12 @@ def test_fewer_repeats_withhold_the_verdict(tmp_path: Path) -> None:
 
 def test_a_busy_machine_withholds_the_verdict(tmp_path: Path) -> None:
     path = _csv(tmp_path, ("numpy", 0.2, {}), ("torch", 0.1, {"busy": 0.5}))
-    torch = _gen(path, baseline="numpy").loc[("torch", 64)]
+    out = compare.run_compare([str(path)], baseline="numpy")
+    torch = out.generation.reset_index().set_index("label").loc["torch"]
     assert torch["decode_verdict"] == compare.BUSY and "machine busy during 3 of 3 repeats" in torch["decode_text"]
     assert not torch["fastest"]
+    assert any(w.startswith("machine busy") and "timed generation of gpt-nano/cpu/torch (3 of 3" in w
+               for w in out.warnings)
 
 
 def test_a_generation_mismatch_is_not_ranked_even_when_quickest(tmp_path: Path) -> None:

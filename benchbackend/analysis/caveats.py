@@ -130,11 +130,11 @@ def busy_warnings(groups: pd.DataFrame) -> list[str]:
     """Each group whose timed repeats other processes made busy (``busy.BUSY_SHARE``): its
     verdicts are withheld (``compare._busy``); and the repeats ``--skip-bad`` left out for it."""
     out = []
-    for phase, what in (("train", "training"), ("infer", "inference")):
+    for phase, what, n in (("train", "training", "steady_n"), ("infer", "inference", "infer_n"),
+                           ("gen", "generation", "ok_repeats")):
         busy = groups[f"{phase}_busy"] > 0
         if busy.any():
-            detail = (groups[f"{phase}_busy"].astype(str) + " of " + groups[
-                "steady_n" if phase == "train" else "infer_n"].astype(str) + " repeats, up to "
+            detail = (groups[f"{phase}_busy"].astype(str) + " of " + groups[n].astype(str) + " repeats, up to "
                 + (groups[f"{phase}_busy_share"] * 100).round().astype("Int64").astype(str) + "%")
             out.append(f"machine busy: other processes held over {BUSY_SHARE:.0%} of the cores during the timed "
                        f"{what} of " + _names(groups, busy, detail) + ". Such load slows frameworks unequally, so "

@@ -52,7 +52,7 @@ SUMMARY_COLUMNS = [
     "tta_s", "tta_low", "tta_high", "tta_interval", "tta_n", "tta_reached", "tta_missed",
     # the machine (``machine.py``): per phase, the timed repeats other processes made busy and the
     # largest share of the cores they held; repeats left out as busy (``skip_busy``)
-    "train_busy", "train_busy_share", "infer_busy", "infer_busy_share", "busy_left_out",
+    "train_busy", "train_busy_share", "infer_busy", "infer_busy_share", "gen_busy", "gen_busy_share", "busy_left_out",
 ]
 #: ``compare --metric``: the per-repeat value (a column of :class:`Summary`) that ranks training.
 METRICS = {"epoch-time": "steady_s", "time-to-accuracy": "tta_s"}
@@ -174,7 +174,7 @@ def _group_info(df: pd.DataFrame, reps: pd.DataFrame) -> pd.DataFrame:
     info.index.names = GROUP_KEYS
     timed = reps[reps["timed"]]
     level = list(range(len(GROUP_KEYS)))
-    for phase in ("train", "infer"):
+    for phase in ("train", "infer", "gen"):
         busy = is_busy(timed, phase).groupby(level=level).sum()
         info[f"{phase}_busy"] = busy.reindex(info.index).fillna(0).astype(int)
         info[f"{phase}_busy_share"] = timed[f"{phase}_busy"].groupby(level=level).max().reindex(info.index)
