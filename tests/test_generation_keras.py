@@ -54,12 +54,12 @@ def _write_one_early(mp) -> None:
 
 def _rope_one_late(mp) -> None:
     """The new token's rotary row at position + 1 (the keys in the cache keep theirs: a shift of
-    every position alike would not change the scores)."""
+    every position alike would not change the scores); the warm-up step at the last position wraps."""
     from benchbackend.backends.keras import generation
 
     rows = generation.rows
-    mp.setattr(generation, "rows", lambda ops, table, start, tokens: rows(ops, table, start if _prompt(start)
-                                                                            else start + 1, tokens))
+    mp.setattr(generation, "rows", lambda ops, table, start, tokens: rows(
+        ops, table, start if _prompt(start) else (start + 1) % table.shape[0], tokens))
 
 
 def _no_causal_mask(mp) -> None:

@@ -33,8 +33,9 @@ How each framework runs it, the way it compiles elsewhere in its adapter:
 - keras-jax: ``jax.jit`` over the variables' values (``keras.StatelessScope`` maps each variable to
   its traced value: the weights are arguments, not constants), the cache a functional array updated
   by ``keras.ops.slice_update`` (``lax.dynamic_update_slice``) and donated, so XLA updates it in
-  place. The decode step is compiled in ``start`` (``lower().compile()``), the prompt pass at its
-  first call.
+  place. The decode step is compiled in ``start`` by one step (:func:`warm_up`), the prompt pass at
+  its first call. (Not by ``lower().compile()``: the ``Compiled`` it returns is called through
+  Python, not ``jax.jit``'s C++ dispatch; on an H100, gpt-nano B=1 took 1.3 ms per token so.)
 - keras-torch: a plain eager call through ``keras.ops`` under ``torch.no_grad`` (Keras on torch
   compiles nothing by default, as its ``fit`` runs eagerly too), the cache written in place by
   indexing.
@@ -79,6 +80,10 @@ class CachedForward:
                           if isinstance(node.layer, Attention)]
         self.slot = {node.index: i for i, (node, _) in enumerate(self.attention)}  # node -> cache index
         self.dtype = self.attention[0][1].compute_dtype  # the policy's compute dtype (bfloat16 when mixed)
+        # Under a float32 policy a layer's ``call`` is its ``__call__``: what ``__call__`` adds (input
+        # casts, the variables' autocast, name scopes, symbolic checks) does nothing there, and it took
+        # half of keras-torch's eager decode step (gpt-nano, CPU). Under a mixed policy, ``__call__``.
+        self.direct = all(h.compute_dtype == h.variable_dtype == "float32" for h in net.holders if h is not None)
         self.rope: dict[int, tuple[Any, Any]] = {}
         for node, holder in self.attention:  # rotary tables over every cache position, once
             if holder.rope is not None:
@@ -124,7 +129,7 @@ class CachedForward:
                 act = self._act(node)
                 values[node.index] = x if act is None else self.keras.activations.get(act)(x)
             elif holder is not None:  # embedding, rmsnorm, layernorm, dense: the model's own layer
-                values[node.index] = holder(x)
+                values[node.index] = holder.call(x) if self.direct else holder(x)
             else:
                 raise TypeError(f"{node.label()}: no cached forward in Keras")
         return ops.cast(ops.argmax(values[graph.output.index], axis=-1), "int32")
@@ -179,7 +184,7 @@ class CachedForward:
         share = layer.heads // layer.kv_heads
         keys = decoder.repeat_kv(ops, ops.cast(keys, dt), share)
         vals = decoder.repeat_kv(ops, ops.cast(vals, dt), share)
-        scores = ops.matmul(q, ops.transpose(keys, (0, 1, 3, 2))) * ops.cast(1.0 / math.sqrt(hd), dt)
+        scores = ops.matmul(q, ops.transpose(keys, (0, 1, 3, 2))) * (1.0 / math.sqrt(hd))  # a Python scale: no tensor
         scores = ops.where(mask, ops.cast(scores, "float32"), float("-inf"))
         p = decoder.softmax(ops, scores, dt)
         mixed = ops.reshape(ops.transpose(ops.matmul(p, vals), (0, 2, 1, 3)), (-1, tokens, layer.heads * hd))
@@ -208,6 +213,14 @@ def nbytes(arrays: list[Any]) -> int:
 
 
 # --- per framework ---------------------------------------------------------------------------------
+def warm_up(generator: "Generator") -> None:
+    """One decode step at the last cache position, so that the step is traced and compiled (and a
+    GPU's kernels loaded) before the clock. No pass reads what it writes there: a pass decodes up to
+    position ``positions - 2`` (its last token is not fed back), and each step reads positions
+    0..its own only, all written in the pass before it."""
+    zeros = generator.keras.ops.zeros((generator.batch,), "int32")
+    generator.decode(zeros, generator.positions - 1)
+
 class Generator:
     """The adapter's generation state: the cached forward, the cache, the compiled steps."""
 
@@ -242,8 +255,7 @@ class TensorFlowGenerator(Generator):
         spec = (tf.TensorSpec((batch,), tf.int32), tf.TensorSpec((), tf.int32))
         self._decode = tf.function(lambda ids, position: self.forward(tf.reshape(ids, (-1, 1)), position, self, False),
                                    input_signature=spec, jit_compile=jit)
-        with tf.device(device):
-            self._decode.get_concrete_function()  # traced here, outside the clock
+        warm_up(self)
 
     def write(self, i: int, k: Any, v: Any, start: Any) -> tuple[Any, Any]:
         at = write_at(start)
@@ -293,8 +305,8 @@ class JaxGenerator(Generator):
                                 donate_argnums=(1,))
         decode = jax.jit(lambda values, caches, ids, start: self._run(values, caches, ids[:, None], start, False),
                          donate_argnums=(1,))
-        ids = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        self._decode = decode.lower(self._values(), self.caches, ids, jnp.int32(0)).compile()  # outside the clock
+        self._decode = decode
+        warm_up(self)
 
     def _values(self) -> list[Any]:
         return [v.value for v in self.variables]
