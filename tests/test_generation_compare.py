@@ -17,7 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from benchbackend import results
-from benchbackend.analysis import compare, experiments, generation, report
+from benchbackend.analysis import compare, experiments, report
+from benchbackend.analysis.tables_generation import VERDICTS
 from benchbackend.run import progress
 
 ENV = {"host": "bench-1", "os": "Linux-6.1", "python": "3.11.7", "cpu": "Xeon x16", "gpu": ""}
@@ -127,7 +128,7 @@ def test_a_verdict_with_three_repeats_a_side_and_the_fastest_by_decode_tokens(tm
 def test_fewer_repeats_withhold_the_verdict(tmp_path: Path) -> None:
     path = _csv(tmp_path, ("numpy", 0.002, {"repeats": 1}), ("torch", 0.001, {"repeats": 1}))
     torch = _gen(path, baseline="numpy").loc[("torch", 64)]
-    for prefix, _, _ in generation.VERDICTS:
+    for prefix, _, _ in VERDICTS:
         assert torch[f"{prefix}_verdict"] == "too few repeats"
     assert compare.WITHHELD[1] == "too few repeats"
 

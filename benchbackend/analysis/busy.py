@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 if TYPE_CHECKING:  # the worker reads BUSY_SHARE in environments without pandas (Chainer's, PlaidML's)
     import pandas as pd
 
+#: The verdict of a group whose (or whose baseline's) timed repeats other processes made busy (``compare.BUSY``).
+WITHHELD = "no verdict (machine busy)"
 #: A repeat is busy when other processes held more than this share of its cores over a verdict phase
 #: (``phase_shares``). Measured with ``benchmarks/aa.py`` on this 2-core machine (README "Trust"):
 #: 120 quiet torch repeats read 1.2% (median) to 3.2% (max); beside two spinning processes every

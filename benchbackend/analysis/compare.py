@@ -18,12 +18,10 @@ feed the timings. The text comes from :mod:`benchbackend.analysis.tables`.
 workload's ``checks.target_accuracy``), with the same decision rule; a repeat that never reached
 the target has no time and is counted apart, and a group where none did is not ranked.
 
-Runs of ``--generate`` are compared per prompt length on time to first token, time per output token
-(p50, p99) and decode tokens/s, with the same rule, by :mod:`benchbackend.analysis.generation`.
-
 The decision rules are in :mod:`benchbackend.analysis.stats`, the reductions in :mod:`benchbackend.analysis.summary`,
 the warnings in :mod:`benchbackend.analysis.caveats` (``report_warnings`` here orders them) and the
-formatting in :mod:`benchbackend.analysis.tables`.
+formatting in :mod:`benchbackend.analysis.tables`; generation's (``--generate``: TTFT, TPOT, decode
+tokens/s per prompt length, by the same rule) in :mod:`benchbackend.analysis.generation`.
 """
 from __future__ import annotations
 
@@ -38,7 +36,7 @@ import pandas as pd
 
 from .. import results
 from ..errors import ResultsError
-from . import caveats, experiments, generation, scaling, stats, summary, tables
+from . import busy, caveats, experiments, generation, scaling, stats, summary, tables
 from .caveats import group_name
 from .experiments import CONTEXT_KEYS, GroupKey
 from .summary import METRICS, TTA
@@ -51,7 +49,7 @@ EXIT_CANDIDATE_FAILED = 4
 REFERENCE_BACKEND = "numpy"
 NOT_REACHED = "not ranked (target not reached)"
 #: The verdict of a group whose (or whose baseline's) timed repeats other processes made busy.
-BUSY = "no verdict (machine busy)"
+BUSY = busy.WITHHELD
 #: Verdicts that say nothing either way: a busy machine, or an interval too wide to read (``stats``).
 WITHHELD = (BUSY, "too few repeats", "unstable")
 
@@ -69,8 +67,7 @@ class CompareOutcome:
     groups: Optional[pd.DataFrame] = None
     metric: str = "epoch-time"
     fmt: str = "table"
-    #: ``--generate``'s groups per prompt length (``generation.rank``); None where nothing generated.
-    generation: Optional[pd.DataFrame] = None
+    generation: Optional[pd.DataFrame] = None  # ``generation.rank``'s groups per prompt length
 
     @cached_property
     def table_text(self) -> str:
@@ -267,8 +264,7 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
     timings cannot speak for it; under ``time-to-accuracy`` also when it never reached the
     target. Else ``EXIT_REGRESSION`` when a candidate is slower than the baseline by more than
     ``factor`` (point estimate) *and* significantly so (the 95% interval of the speed-up lies
-    below 1). With no candidate named, every non-baseline group is one. (Generation's TTFT and
-    decode tokens/s: ``generation.regressions``, by the same rule.)
+    below 1). With no candidate named, every non-baseline group is one.
     """
     out, code = [], 0
     for key, row in groups.iterrows():
@@ -345,10 +341,8 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
     found, code = (regressions(groups, candidate, fail_on_regression, metric) if fail_on_regression is not None
                    else ([], 0))
     gen = generation.rank(groups, reduced.repeats, df)
-    if fail_on_regression is not None:
-        more, worse = generation.regressions(gen, groups, candidate, fail_on_regression)
-        found, code = found + more, code or worse
-    return groups, warnings + found, code, gen
+    more, slower = generation.regressions(gen, groups, candidate, fail_on_regression)
+    return groups, warnings + found + more, code or (EXIT_REGRESSION if slower else 0), gen
 
 
 def report_warnings(groups: pd.DataFrame, df: pd.DataFrame, ranking: list[str], notes: list[str],

@@ -11,8 +11,8 @@ from typing import Optional
 
 import pandas as pd
 
-from . import generation as generations
 from . import scaling, tables
+from . import tables_generation as generations
 from .experiments import context_name, with_experiment
 
 _STYLE = ("body{font-family:system-ui,sans-serif;max-width:1250px;margin:2em auto;padding:0 1em}"

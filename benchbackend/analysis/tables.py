@@ -9,8 +9,8 @@ from typing import Any, Callable, Optional
 import pandas as pd
 
 from ..results import TRAIN_FLOPS_FACTOR
-from . import generation as generations
 from . import scaling
+from . import tables_generation as generations
 from .experiments import CONTEXT_KEYS, context_name
 from .stats import CI_LABEL, ESTIMATOR, MIN_REPEATS, RANGE_LABEL, WIDE_SPAN, Ratio
 from .summary import METRICS, TTA
@@ -331,7 +331,7 @@ def render(groups: pd.DataFrame, fmt: str, warnings: list[str], metric: str = "e
         return buf.getvalue()
     if fmt == "json":
         return json.dumps({"metric": metric, "estimator": ESTIMATOR, "groups": records(groups), "warnings": warnings,
-                           **({"generation": generations.records(generation)} if generation is not None else {})},
+                           **({"generation": records(generation)} if generation is not None else {})},
                           indent=2) + "\n"
     raise ValueError(f"unknown format {fmt!r}")
 
