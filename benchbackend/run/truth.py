@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-_SOURCES = ("backends/numpy/reference.py", "backends/numpy/ops.py", "spec/model.py", "spec/graph.py",
-            "spec/layers.py")
+_SOURCES = ("backends/numpy/reference.py", "backends/numpy/ops.py", "backends/numpy/transformer.py", "run/truth.py",
+            "spec/model.py", "spec/graph.py", "spec/layers.py")
 
 
 def _key(workload: Any, weights: Sequence[np.ndarray], batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> str:
@@ -68,16 +68,38 @@ def trajectory(workload: Any, weights: Sequence[np.ndarray],
     return [float(v) for v in _cached(_key(workload, weights, batches), compute)]
 
 
+def _recompute(workload: Any, weights: Any, prompts: np.ndarray, steps: int,
+             dtype: Any = np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy generation, the definition every backend's cached decoding is held to: ``steps`` new
+    tokens after each prompt (``prompts``: (B, P) token ids), each the argmax of the network's output
+    at the last position, recomputed over the whole sequence so far (no key/value cache: nothing to
+    get wrong). Returns ``(ids, gaps)``, each (B, steps): the generated ids, and at each step the
+    top two outputs' gap relative to the top one, ``(p1 - p2) / p1`` (what decides a tie,
+    ``checks.generation``)."""
+    from ..backends.numpy.reference import network
+
+    net = network(workload, [np.array(w, dtype) for w in weights])
+    seq = np.asarray(prompts, dtype)
+    ids, gaps = [], []
+    for _ in range(steps):
+        last = np.asarray(net.forward(seq)[:, -1], np.float64)  # (B, vocab): probabilities
+        top2 = np.sort(last, axis=-1)[:, -2:]
+        nxt = last.argmax(axis=-1)
+        ids.append(nxt)
+        gaps.append((top2[:, 1] - top2[:, 0]) / np.maximum(top2[:, 1], 1e-300))
+        seq = np.concatenate([seq, nxt[:, None].astype(dtype)], axis=1)
+    return np.stack(ids, axis=1).astype(np.int64), np.stack(gaps, axis=1)
+
+
+
 def greedy(workload: Any, weights: Sequence[np.ndarray], prompts: np.ndarray, steps: int
            ) -> tuple[np.ndarray, np.ndarray]:
-    """The reference's float64 greedy generation (``reference.generate``): ``(ids, gaps)``, each
+    """The reference's float64 greedy generation (``_recompute``): ``(ids, gaps)``, each
     (B, steps), from the cache when it holds them (gpt2-124m's 32 steps take a minute)."""
-    from ..backends.numpy import reference
-
     prompts = np.asarray(prompts, np.float32)
 
     def compute() -> dict[str, list]:
-        ids, gaps = reference.generate(workload, weights, prompts, steps)
+        ids, gaps = _recompute(workload, weights, prompts, steps)
         return {"ids": ids.tolist(), "gaps": gaps.tolist()}
 
     key = "greedy-" + _key(workload, weights, [(prompts, np.asarray([steps]))])

@@ -42,6 +42,7 @@ from ...spec.model import kernel_mask, trainable_mask
 from ...spec.workload import Workload
 from ..base import Backend, gemm_rate, gpu_index
 from ..precision import capability_of, check_tf32, math_mode
+from .generation import Generates
 from .graph import Params, make_forward
 from .optimizers import _init_state, _update  # noqa: F401 (sharding.py imports _update from here)
 
@@ -96,7 +97,7 @@ def set_math(device: Any, precision: str, backend: str) -> str:
     return math_mode(precision)
 
 
-class JaxBackend(Backend):
+class JaxBackend(Generates, Backend):
     name = "jax"
 
     def __init__(self, workload: Workload, device: str, mode: str = "jit", precision: str = "fp32",
@@ -369,32 +370,6 @@ class JaxBackend(Backend):
         out = self._train_probs(self.params, jax.device_put(x, self.device))
         self._pending = out
         return out
-
-    # --- generation (``generation.py``: the cached forward) ----------------------------------------
-    generation_note = ""
-
-    def start_generation(self, batch: int, positions: int) -> None:
-        from .generation import Generator
-
-        self._generator = Generator(self.workload, self.params, self.compute, self.device, batch, positions,
-                                    scan=self.mode == "scan")
-
-    def prefill(self, ids: np.ndarray) -> jax.Array:
-        self._pending = self._generator.prefill(ids)
-        return self._pending
-
-    def decode(self, ids: jax.Array, position: int) -> jax.Array:
-        self._pending = self._generator.decode(ids, position)
-        return self._pending
-
-    def decode_steps(self, ids: jax.Array, position: int, steps: int) -> Optional[jax.Array]:
-        if self.mode != "scan":
-            return None
-        self._pending = self._generator.decode_steps(ids, position, steps)
-        return self._pending
-
-    def cache_bytes(self) -> tuple[int, int]:
-        return self._generator.cache_bytes()
 
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         losses = []

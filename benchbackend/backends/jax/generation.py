@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -234,3 +234,31 @@ class Generator:
     def cache_bytes(self) -> tuple[int, int]:
         return sum(int(a.nbytes) for pair in self.cache for a in pair), self.positions
 
+
+
+class Generates:
+    """The adapter's generation methods (``Backend``'s contract), on a :class:`Generator` of its
+    parameters as they are; mixed into ``JaxBackend``."""
+
+    generation_note = ""
+
+    def start_generation(self, batch: int, positions: int) -> None:
+        self._generator = Generator(self.workload, self.params, self.compute, self.device, batch, positions,
+                                    scan=self.mode == "scan")
+
+    def prefill(self, ids: np.ndarray) -> jax.Array:
+        self._pending = self._generator.prefill(ids)
+        return self._pending
+
+    def decode(self, ids: jax.Array, position: int) -> jax.Array:
+        self._pending = self._generator.decode(ids, position)
+        return self._pending
+
+    def decode_steps(self, ids: jax.Array, position: int, steps: int) -> Optional[jax.Array]:
+        if self.mode != "scan":
+            return None
+        self._pending = self._generator.decode_steps(ids, position, steps)
+        return self._pending
+
+    def cache_bytes(self) -> tuple[int, int]:
+        return self._generator.cache_bytes()

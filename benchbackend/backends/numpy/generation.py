@@ -1,7 +1,7 @@
 """Greedy generation with a key/value cache on the reference's arrays (the ``numpy`` backend, NumPy
 or CuPy): the graph run over the new tokens only, each attention layer reading and extending its cache.
 
-This is the cached path, not the definition: ``reference.generate`` recomputes the whole sequence
+This is the cached path, not the definition: ``run/truth.py``'s ``greedy`` recomputes the whole sequence
 for every token and is what every backend's tokens are held to, this path included. The cache's
 conventions, which every adapter's cache follows:
 
@@ -105,3 +105,28 @@ class Generator:
             fn = activation_name(layer, node.activation)
             values.append(out if node is g.output else tr.activate(out, fn))
         return values[-1][:, -1].argmax(axis=-1).astype(np.int32)
+
+
+class Generates:
+    """The ``numpy`` backend's generation methods (``Backend``'s contract) on a :class:`Generator` of
+    its network; mixed into ``NumpyBackend``."""
+
+    generation_note = ""
+
+    def start_generation(self, batch: int, positions: int) -> None:
+        from ...errors import BackendUnavailable
+
+        self.generator = Generator(self._net(), self.dtype)
+        cache = {"fp32": np.float32, "bf16": None, "fp16": np.float16}[self.workload.generating.cache]
+        if cache is None:
+            raise BackendUnavailable("numpy: NumPy has no bfloat16 for a bf16 key/value cache")
+        self.generator.start(self.xp, batch, positions, cache)
+
+    def prefill(self, ids: np.ndarray) -> Array:
+        return self.generator.next_ids(self.xp.asarray(ids), 0)
+
+    def decode(self, ids: Array, position: int) -> Array:
+        return self.generator.next_ids(ids[:, None], position)
+
+    def cache_bytes(self) -> tuple[int, int]:
+        return self.generator.nbytes()

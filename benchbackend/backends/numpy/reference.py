@@ -1,11 +1,9 @@
-"""NumPy reference backend: forward and backward of the whole layer vocabulary, no framework.
-
-Two uses:
+"""NumPy reference backend: forward and backward of the whole layer vocabulary, no framework. Two uses:
 
 - ground truth for the worker's checks: ``forward`` (float64 inference outputs for the parity
   check) and ``train_losses`` (float64 losses of the first training steps, for the trajectory check);
 - a backend of its own, ``numpy`` (``NumpyBackend``): float32 training with NumPy on the CPU, or
-  with CuPy on ``--device gpu`` when CuPy and a CUDA device are present.
+  with CuPy on ``--device gpu`` when CuPy and a CUDA device are present; generation: ``generation.py``.
 
 This module *defines* the conventions every adapter converts to. They follow Keras 3, since the
 shared initial weights and the workload YAML do: TF 'same' padding (extra pixel after, at any
@@ -49,6 +47,7 @@ from ...spec.workload import (
 from ..base import Backend, CupyMemory, batches, gpu_index
 from . import ops
 from . import transformer as tr
+from .generation import Generates
 
 Array = ops.Array
 
@@ -248,27 +247,6 @@ def forward(workload: Workload, weights: Sequence[np.ndarray], x: np.ndarray,
     return np.asarray(net.forward(np.asarray(x, dtype), training=training), np.float64)
 
 
-def generate(workload: Workload, weights: Sequence[np.ndarray], prompts: np.ndarray, steps: int,
-             dtype: Any = np.float64) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy generation, the definition every backend's cached decoding is held to: ``steps`` new
-    tokens after each prompt (``prompts``: (B, P) token ids), each the argmax of the network's output
-    at the last position, recomputed over the whole sequence so far (no key/value cache: nothing to
-    get wrong). Returns ``(ids, gaps)``, each (B, steps): the generated ids, and at each step the
-    top two outputs' gap relative to the top one, ``(p1 - p2) / p1`` (what decides a tie,
-    ``checks.generation``)."""
-    net = network(workload, [np.array(w, dtype) for w in weights])
-    seq = np.asarray(prompts, dtype)
-    ids, gaps = [], []
-    for _ in range(steps):
-        last = np.asarray(net.forward(seq)[:, -1], np.float64)  # (B, vocab): probabilities
-        top2 = np.sort(last, axis=-1)[:, -2:]
-        nxt = last.argmax(axis=-1)
-        ids.append(nxt)
-        gaps.append((top2[:, 1] - top2[:, 0]) / np.maximum(top2[:, 1], 1e-300))
-        seq = np.concatenate([seq, nxt[:, None].astype(dtype)], axis=1)
-    return np.stack(ids, axis=1).astype(np.int64), np.stack(gaps, axis=1)
-
-
 def train_losses(workload: Workload, weights: Sequence[np.ndarray],
                  batches: Sequence[tuple[np.ndarray, np.ndarray]], dtype: Any = np.float64,
                  optimizer: Optional[ops.Optimizer] = None) -> list[float]:
@@ -318,11 +296,11 @@ def array_module(device: str) -> ModuleType:
     return cupy
 
 
-def _to_host(x: Array) -> np.ndarray:
-    return x.get() if hasattr(x, "get") else np.asarray(x)  # cupy.ndarray.get() copies to the host
+def _to_host(x: Array) -> np.ndarray:  # cupy.ndarray.get() copies to the host
+    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-class NumpyBackend(CupyMemory, Backend):
+class NumpyBackend(Generates, CupyMemory, Backend):
     """Float32 training on the reference implementation (NumPy on CPU, CuPy on GPU)."""
 
     name = "numpy"
@@ -420,23 +398,3 @@ class NumpyBackend(CupyMemory, Backend):
     def get_weights(self) -> list[np.ndarray]:
         return [_to_host(w).copy() for w in self._net().weights]
 
-    # --- generation: the reference's arrays with a static key/value cache (``generation.py``) ----
-    generation_note = ""
-
-    def start_generation(self, batch: int, positions: int) -> None:
-        from .generation import Generator
-
-        self.generator = Generator(self._net(), self.dtype)
-        cache = {"fp32": np.float32, "bf16": None, "fp16": np.float16}[self.workload.generating.cache]
-        if cache is None:
-            raise BackendUnavailable("numpy: NumPy has no bfloat16 for a bf16 key/value cache")
-        self.generator.start(self.xp, batch, positions, cache)
-
-    def prefill(self, ids: np.ndarray) -> Array:
-        return self.generator.next_ids(self.xp.asarray(ids), 0)
-
-    def decode(self, ids: Array, position: int) -> Array:
-        return self.generator.next_ids(ids[:, None], position)
-
-    def cache_bytes(self) -> tuple[int, int]:
-        return self.generator.nbytes()
