@@ -122,15 +122,13 @@ def _verdict(r: Optional[stats.Ratio], key: GroupKey, base: Optional[GroupKey], 
 
 def _busy(counts: dict[tuple, tuple[int, int, float]], key: GroupKey, base: Optional[GroupKey],
           prompt: float) -> str:
-    """Why a verdict is withheld: other processes held more than ``BUSY_SHARE`` of the cores during
-    some of either side's timed generation passes ("" when neither was busy)."""
-    for who, k in (("", key), ("the baseline: ", base)):
-        if k is None:
-            continue
-        n, total, share = counts.get((*k.index, prompt), (0, 0, math.nan))
-        if n:
-            return (f"{who}machine busy during {n} of {total} repeat{'s' if total != 1 else ''} "
-                    f"({share:.0%} of the cores held by other processes): no verdict")
+    """Why a verdict is withheld, in a few words: other processes held more than ``BUSY_SHARE`` of
+    the cores during some of either side's timed generation passes ("" when neither was busy). The
+    four verdict columns of a row share it, so it stays short; the run's and compare's busy-machine
+    warning says which repeats and how much."""
+    for who, k in (("", key), ("the baseline's ", base)):
+        if k is not None and counts.get((*k.index, prompt), (0, 0, math.nan))[0]:
+            return f"no verdict ({who}machine busy)"
     return ""
 
 

@@ -100,8 +100,11 @@ def definition(w: Workload, source: str) -> str:
     groups of one workload by the fields that differ."""
     d, t = w.data, w.training
     target = f" target_acc={w.checks.target_accuracy:g}" if w.checks.target_accuracy is not None else ""
+    g = w.generation  # set by --generate (or the YAML): what a generation measures
+    generate = "" if g is None else (f" prompt={','.join(map(str, g.prompt_tokens))} new_tokens={g.new_tokens} "
+                                     f"gen_batch={g.batch_size} passes={g.passes} cache={g.cache}")
     return (f"train={d.train} val={d.validation} test={d.test} epochs={t.epochs} batch={t.batch_size} "
-            f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}{target}")
+            f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}{target}{generate}")
 
 
 @dataclass
