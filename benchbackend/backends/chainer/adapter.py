@@ -50,6 +50,8 @@ class _Net(GraphChain):
 
 class ChainerBackend(CupyMemory, Backend):
     name = "chainer"
+    #: --generate: not built; its decoder (``decoder.py``) runs whole sequences, for training and inference.
+    generation_note = "no key/value cache path: its decoder runs whole sequences (training, inference) only"
 
     def __init__(self, workload: Workload, device: str, mode: str, precision: str = "fp32",
                  options: Optional[dict[str, Any]] = None):

@@ -121,6 +121,8 @@ def resolve_device(device: str, usable: list[tuple[str, str]], unsupported: list
 
 class PlaidMLBackend(Backend):
     name = "plaidml"
+    #: --generate: Keras 2.2.4 on PlaidML builds none of the decoder's layers (see ``builds``' reasons).
+    generation_note = "it builds no decoder (attention, embeddings, RMSNorm are not among Keras 2.2.4's layers here)"
 
     def __init__(self, workload: Workload, device: str, mode: str = "keras2", precision: str = "fp32",
                  options: Optional[Mapping[str, Any]] = None):

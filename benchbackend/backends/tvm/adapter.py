@@ -164,6 +164,10 @@ def host_target(threads: int) -> tvm.target.Target:
 
 class TVMBackend(Backend):
     name = "tvm"
+    #: --generate: not built. The Relax module is compiled for one fixed input shape (the whole
+    #: context); a cached decode needs a second module taking the cache, at a growing past length.
+    generation_note = ("no key/value cache path: its Relax module is compiled for the whole context's fixed "
+                       "shape, and a decode module with the cache as inputs is not built")
 
     def __init__(self, workload: Workload, device: str, mode: str = "default", precision: str = "fp32",
                  options: Optional[Mapping[str, Any]] = None):
