@@ -39,7 +39,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 #: command), which collection puts first: ``--dist loadfile`` hands whole files to the two test
 #: processes in collection order, so a heavy file collected last ran alone at the end while the
 #: other process sat idle (alphabetically, the ViT files came last).
-HEAVY_FIRST = ("test_decoder_jax.py", "test_vit_backends.py", "test_keras3.py", "test_contract.py",
+HEAVY_FIRST = ("test_decoder_jax.py", "test_generation_keras.py", "test_vit_backends.py", "test_keras3.py",
+               "test_generation_torch.py", "test_contract.py", "test_generation_jax.py",
                "test_ray_train.py", "test_graph_backends.py", "test_decoder_keras.py", "test_ray_nodes.py",
                "test_decoder_torch.py", "test_replicas_keras.py", "test_replicas.py", "test_plaidml.py",
                "test_report_text.py", "test_jax.py", "test_peaks.py", "test_fast_modes.py",

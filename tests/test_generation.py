@@ -38,7 +38,7 @@ def test_a_generation_writes_prefill_decode_and_greedy_rows(monkeypatch, tmp_pat
         (greedy,) = mine.loc[mine.phase == "greedy"].itertuples()
         assert greedy.tokens_matched == 2 * 5 and pd.isna(greedy.mismatch_step)
     tvm = rows[(rows.backend == "tvm") & (rows.phase == "run")]
-    assert list(tvm.status) == ["unavailable"] and "not implemented" in tvm.message.iloc[0]
+    assert list(tvm.status) == ["unavailable"] and "no key/value cache path" in tvm.message.iloc[0]
     assert set(rows.loc[rows.backend == "tvm", "phase"]) == {"run"}  # refused before any work
 
 

@@ -139,21 +139,21 @@ from conftest import backend_params, requires  # noqa: E402  (pytest's, not the 
 # --- tensorflow, in this process -----------------------------------------------------------------------
 @requires("tensorflow")
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tf.function", "xla"])
-def test_gpt_nano_generates_the_reference_ids_on_tensorflow(mode):
+def test_gpt_nano_generates_the_reference_ids_on_tensorflow():
     w = _nano()
     _, ref, gaps = _reference(w, **NANO)
-    ids, be = _run("tensorflow", w, **NANO, mode=mode)
+    ids, be = _run("tensorflow", w, **NANO)
     assert _agree(w, ids, ref, gaps) == (True, NANO["batch"] * NANO["new"])
     assert be.cache_bytes() == (analytic_bytes(w, 2, 96), 96) == (393216, 96)
 
 
 @requires("tensorflow")
+@pytest.mark.parametrize("mode", ["tf.function", "xla"])  # XLA on the small traps: gpt-nano's compile took 16 s
 @pytest.mark.parametrize("trap", list(TRAPS))
-def test_the_traps_generate_the_reference_ids_on_tensorflow(trap):
+def test_the_traps_generate_the_reference_ids_on_tensorflow(trap, mode):
     w = TRAPS[trap]()
     _, ref, gaps = _reference(w, 2, 4, 4)
-    ids, be = _run("tensorflow", w, 2, 4, 4)
+    ids, be = _run("tensorflow", w, 2, 4, 4, mode=mode)
     assert _agree(w, ids, ref, gaps) == (True, 8)
     assert be.cache_bytes() == (analytic_bytes(w, 2, 8), 8)
 
