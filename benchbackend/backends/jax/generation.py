@@ -66,14 +66,7 @@ def rope_at(a: jax.Array, offset: Any, positions: int, base: float, pairing: str
     t, dh = a.shape[1], a.shape[-1]
     cos, sin = (lax.dynamic_slice_in_dim(c, offset, t)[:, None, :]
                 for c in jax_transformer.rope_angles(positions, dh, base))
-    a32 = a.astype(jnp.float32)
-    if pairing == "half":
-        x1, x2 = a32[..., :dh // 2], a32[..., dh // 2:]
-        out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    else:
-        x1, x2 = a32[..., 0::2], a32[..., 1::2]
-        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(a.shape)
-    return out.astype(a.dtype)
+    return jax_transformer.turn(a, cos, sin, pairing)
 
 
 def visible(offset: Any, tokens: int, keys: int) -> jax.Array:

@@ -109,6 +109,13 @@ def rope(a: jax.Array, base: float, pairing: str) -> jax.Array:
     """Queries or keys (N, T, heads, head_dim) turned by their positions 0..T-1, in float32."""
     t, dh = a.shape[1], a.shape[-1]
     cos, sin = (c[:, None, :] for c in rope_angles(t, dh, base))  # (T, 1, dh/2): every head alike
+    return turn(a, cos, sin, pairing)
+
+
+def turn(a: jax.Array, cos: jax.Array, sin: jax.Array, pairing: str) -> jax.Array:
+    """``a`` (N, T, heads, head_dim) turned in float32 by the angles ``cos``/``sin`` (T, 1, dh/2) of
+    its tokens' positions: pairs (i, i + dh/2) (``half``) or (2i, 2i + 1) (``interleaved``)."""
+    dh = a.shape[-1]
     a32 = a.astype(jnp.float32)
     if pairing == "half":
         x1, x2 = a32[..., :dh // 2], a32[..., dh // 2:]

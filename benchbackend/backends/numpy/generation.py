@@ -31,18 +31,8 @@ Array = ops.Array
 def _rope_at(a: Array, rope_: Any, start: int) -> Array:
     """``tr.rope`` at positions ``start .. start + T - 1``."""
     xp = ops.get_array_module(a)
-    t, head_dim = a.shape[2], a.shape[3]
-    cos, sin = tr.rope_angles(xp, start + t, head_dim, rope_.base, a.dtype)
-    cos, sin = cos[start:], sin[start:]
-    if rope_.pairing == "half":
-        half = head_dim // 2
-        x1, x2 = a[..., :half], a[..., half:]
-        return xp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    x1, x2 = a[..., 0::2], a[..., 1::2]
-    out = xp.empty_like(a)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out
+    cos, sin = tr.rope_angles(xp, start + a.shape[2], a.shape[3], rope_.base, a.dtype)
+    return tr.turn(a, cos[start:], sin[start:], rope_.pairing)
 
 
 def attention(x: Array, w: list[Array], layer: Attention, cache: tuple[Array, Array], start: int) -> Array:

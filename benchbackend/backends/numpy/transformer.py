@@ -149,9 +149,14 @@ def rope(a: Array, rope_: Rope, inverse: bool = False) -> Array:
     (the rotation's transpose: what the backward pass applies to a gradient)."""
     xp = get_array_module(a)
     cos, sin = rope_angles(xp, a.shape[2], a.shape[3], rope_.base, a.dtype)
-    if inverse:
-        sin = -sin
-    if rope_.pairing == "half":
+    return turn(a, cos, -sin if inverse else sin, rope_.pairing)
+
+
+def turn(a: Array, cos: Array, sin: Array, pairing: str) -> Array:
+    """``a`` (N, heads, T, head_dim) turned by the angles ``cos``/``sin`` (T, head_dim/2) of its
+    tokens' positions: pairs (i, i + head_dim/2) (``half``) or (2i, 2i + 1) (``interleaved``)."""
+    xp = get_array_module(a)
+    if pairing == "half":
         half = a.shape[3] // 2
         x1, x2 = a[..., :half], a[..., half:]
         return xp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
