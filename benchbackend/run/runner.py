@@ -64,6 +64,8 @@ class CellResult:
     epoch_seconds: list[float] = field(default_factory=list)
     val_accuracy: Optional[float] = None
     inference_seconds: list[float] = field(default_factory=list)
+    #: The cell generates (``--generate``): its summary line gives its generation figures.
+    generates: bool = False
 
     @property
     def backend(self) -> str:
@@ -276,7 +278,7 @@ class Runner:
                 "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed,
                 "replicas": c.replicas, "threads": self._options(c).threads, "scale_lr": self.plan.options.scale_lr,
                 "scaling": self.plan.options.scaling if c.replicas > 1 else "strong"}
-        self.open[cell.order] = _Open(CellResult(cell, self.plan.device), base)
+        self.open[cell.order] = _Open(CellResult(cell, self.plan.device, generates=self.plan.generate), base)
         if attempt == 1:
             self.display.cell_started(cell)
         where = f" on {message.environment['host']}" if message.environment.get("host") else ""
