@@ -129,6 +129,10 @@ DECLARED: tuple[Column, ...] = (
                             "prompt's first tie, over every prompt", version=11),
     _c("tie_step", N, "a `greedy` row's earliest step whose reference top-two outputs are too close for the "
                       "precision to order (the comparison stops there)", version=11),
+    _c("audited", N, "an `inference` row's test samples whose timed outputs were checked against an untimed pass "
+                     "of them (1%, at least 100, chosen by the seed)", version=11),
+    _c("audit_sample", N, "an `inference` row's first audited test sample whose timed output differs "
+                          "(`audit_failed`); empty when all agree", version=11),
     _c("mismatch_step", N, "a `greedy` row's first step whose token differs from the reference's before a tie "
                            "(`generation_mismatch`)", version=11),
 )

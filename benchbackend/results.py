@@ -32,8 +32,8 @@ PHASES = ("build", "tune", "parity", "train_epoch", "inference", "prefill", "dec
 #: Cell statuses, best first; "worst" is the highest index. ``pending``: the cell had not ended
 #: when the row was written (a parent killed outright leaves it so). ``retried``: an attempt lost
 #: with its node and run again (``--retries``); its rows are kept for the record and feed nothing.
-STATUSES = ("ok", "parity_mismatch", "generation_mismatch", "future_leak", "chance_accuracy", "diverged", "nan_loss",
-            "unavailable", "timeout", "interrupted", "crashed", "retried", "pending")
+STATUSES = ("ok", "parity_mismatch", "audit_failed", "generation_mismatch", "future_leak", "chance_accuracy",
+            "diverged", "nan_loss", "unavailable", "timeout", "interrupted", "crashed", "retried", "pending")
 PENDING = "pending"
 RETRIED = "retried"
 NUMERIC = [c.name for c in DECLARED if c.kind == "number" and c.name != "schema_version"]

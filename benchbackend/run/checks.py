@@ -242,6 +242,33 @@ def generation(ids: np.ndarray, ref: np.ndarray, gaps: np.ndarray, tie: float) -
             "notes": notes}
 
 
+def audit_indices(n: int, seed: int) -> np.ndarray:
+    """The test samples whose timed outputs are audited: 1% of ``n``, at least 100 (all of a smaller
+    set), chosen by the workload's seed, in order."""
+    k = min(n, max(100, -(-n // 100)))
+    return np.sort(np.random.default_rng([seed % 2**32, 13]).choice(n, size=k, replace=False))
+
+
+def audit(timed: np.ndarray, untimed: np.ndarray, rtol: float, atol: float) -> Optional[tuple[int, str]]:
+    """(the first audited sample's place, what differs) where a timed pass's outputs of the audited
+    samples are not an untimed pass's of the same samples: a different top class, or outputs farther
+    apart than the precision's forward tolerance (relative to the largest output, or absolute) allows.
+    None when every sample agrees. Both passes ran on this backend, at this precision: only a pass
+    that returns stale, cached or skipped outputs, or outputs of other samples, parts them."""
+    timed, untimed = np.asarray(timed, np.float64), np.asarray(untimed, np.float64)
+    if timed.shape != untimed.shape:
+        return 0, f"outputs of shape {timed.shape[1:]} for {untimed.shape[1:]}"
+    scale = max(float(np.max(np.abs(untimed))) if untimed.size else 0.0, 1e-30)
+    for i, (a, b) in enumerate(zip(timed, untimed)):
+        err = float(np.max(np.abs(a - b))) if a.size else 0.0
+        if not np.isfinite(err) or (err > atol and err / scale > rtol):
+            return i, f"outputs differ by {err:.3g} (max abs; {err / scale:.3g} relative)"
+        top_a, top_b = a.argmax(axis=-1), b.argmax(axis=-1)
+        if np.any(top_a != top_b):
+            return i, f"top class {int(np.ravel(top_a)[0])} vs {int(np.ravel(top_b)[0])}"
+    return None
+
+
 def cache_mismatch(rows: Sequence[dict[str, Any]]) -> Optional[str]:
     """A message when a generation's key/value cache holds other bytes than the spec's cache
     dtype gives for the positions it holds (a bf16 cache where the spec says fp32, say)."""
@@ -283,7 +310,8 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
     """Final (status, message) of one cell from its worker rows (runner-level statuses aside).
 
     Order: ``nan_loss``, ``diverged``, ``parity_mismatch`` (forward at the precision's tolerance,
-    then the trajectory), ``generation_mismatch`` (greedy tokens, then the cache's bytes), then for
+    then the trajectory), ``audit_failed`` (a timed inference pass's outputs are not an untimed
+    pass's), ``generation_mismatch`` (greedy tokens, then the cache's bytes), then for
     cells that trained ``chance_accuracy``, or for a language model ``future_leak`` and the token
     form of ``chance_accuracy`` (``token_checks``).
     """
@@ -307,6 +335,10 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
             msg = parity_mismatch(r["parity_max_abs"], r["parity_max_rel"], tol.rtol, tol.atol)
             if msg:
                 return "parity_mismatch", f"{msg} ({precision})"
+    for r in rows:
+        if r.get("phase") == "inference" and finite(r.get("audit_sample")):
+            return "audit_failed", (r.get("notes") or
+                                    f"timed pass {r.get('pass')} differs at test sample {r['audit_sample']}")
     for r in rows:
         if r.get("phase") == "greedy" and finite(r.get("mismatch_step")):
             return "generation_mismatch", r.get("notes") or f"greedy tokens differ at step {r['mismatch_step']}"

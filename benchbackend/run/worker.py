@@ -255,15 +255,29 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
 
 
 def _infer(cell: Repeat, base: dict[str, Any]) -> None:
-    """The timed inference passes over the test set (the first carries warm-up)."""
+    """The timed inference passes over the test set (the first carries warm-up), each audited
+    outside the clock: its outputs of a seeded share of the samples (``checks.audit_indices``) must
+    be what an untimed pass of those samples alone gives (``checks.audit``); a pass that returns
+    cached, stale or skipped outputs is timed as fast, and this is what sees it."""
     from ..backends.base import accuracy
+    from .checks import audit, audit_indices
 
     labels = cell.arrays["y_test"]
+    picked = audit_indices(len(labels), cell.workload.seed)
+    untimed = cell.forward(cell.arrays["x_test"][picked]) if len(picked) else None
+    tol = cell.workload.checks.tolerance(cell.backend.precision)
     for i in range(1, cell.workload.inference.repeats + 1):
         scores, seconds = cell.predict()
+        scores = np.asarray(scores)
+        found = audit(scores[picked], untimed, tol.rtol, tol.atol) if untimed is not None else None
+        checked = {"audited": len(picked)}
+        if found is not None:
+            sample = int(picked[found[0]])
+            checked.update(audit_sample=sample, notes=f"timed inference pass {i}, test sample {sample}: {found[1]} "
+                                                      f"from an untimed pass of the audited samples")
         cell.emit({**base, "phase": "inference", "pass": i, "samples": len(labels), "seconds": seconds,
                    "samples_per_s": len(labels) / seconds if seconds > 0 else None,
-                   "accuracy": accuracy(np.asarray(scores), labels), **_memory(cell.backend), **cell.load})
+                   "accuracy": accuracy(scores, labels), **checked, **_memory(cell.backend), **cell.load})
 
 
 def _train(cell: Repeat, base: dict[str, Any]) -> bool:
