@@ -33,7 +33,8 @@ PHASES = ("build", "tune", "parity", "train_epoch", "inference", "prefill", "dec
 #: when the row was written (a parent killed outright leaves it so). ``retried``: an attempt lost
 #: with its node and run again (``--retries``); its rows are kept for the record and feed nothing.
 STATUSES = ("ok", "parity_mismatch", "audit_failed", "generation_mismatch", "future_leak", "chance_accuracy",
-            "diverged", "nan_loss", "unavailable", "timeout", "interrupted", "crashed", "retried", "pending")
+            "not_judged", "diverged", "nan_loss", "unavailable", "timeout", "interrupted", "crashed", "retried",
+            "pending")
 PENDING = "pending"
 RETRIED = "retried"
 NUMERIC = [c.name for c in DECLARED if c.kind == "number" and c.name != "schema_version"]

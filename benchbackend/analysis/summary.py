@@ -33,7 +33,8 @@ from .rates import one_peak, with_rates
 from .stats import clean, median_interval
 
 #: Statuses of repeats that ran to the end but failed a check: their timings are complete.
-CHECK_FAILED = ("parity_mismatch", "audit_failed", "generation_mismatch", "chance_accuracy", "diverged", "nan_loss")
+CHECK_FAILED = ("parity_mismatch", "audit_failed", "generation_mismatch", "chance_accuracy", "not_judged", "diverged",
+                "nan_loss")
 #: What defines a group's experiment, as columns (one value per group).
 _FIXED = ("limit", "epochs", "batch_size", "inference_batch_size", "seed", "data_source")
 #: Columns of :func:`summarize`'s ``groups`` frame besides the keys.
