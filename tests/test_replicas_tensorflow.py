@@ -85,7 +85,9 @@ def test_batchnorm_uses_per_replica_statistics_and_a_replica_without_samples_joi
     # (truth.sharded_losses), which the worker picks for a batchnorm network.
     w = _workload(lr=0.01, batchnorm=True, samples=97)
     status, message, rows = _cell(tmp_path, w)
-    assert status == "ok", message
+    # Four steps leave the moving statistics untrained: a validation at chance is `not_judged`
+    # (issue 43), which says nothing of the replicas; the parity checks are what this test reads.
+    assert status in ("ok", "not_judged"), message
     assert _trajectory(rows)["parity_step"] is None
 
 
