@@ -48,15 +48,9 @@ def generate(backend: Any, ids: np.ndarray, new_tokens: int) -> np.ndarray:
 
 
 def agree(ids: np.ndarray, ref: np.ndarray, gaps: np.ndarray, tie: float) -> tuple[bool, int]:
-    """(no mismatch before a tie, tokens matched): per prompt, walk the steps until the
-    reference's top-two gap is at most ``tie`` (the comparison stops there)."""
-    matched, ok = 0, True
-    for b in range(len(ref)):
-        for k in range(ref.shape[1]):
-            if gaps[b, k] <= tie:
-                break
-            if ids[b, k] != ref[b, k]:
-                ok = False
-                break
-            matched += 1
-    return ok, matched
+    """(no mismatch before a tie, tokens matched), by the worker's own rule (``checks.generation``):
+    per prompt, the steps are compared until the reference's top-two gap is at most ``tie``."""
+    from benchbackend.run import checks
+
+    verdict = checks.generation(ids, ref, gaps, tie)
+    return verdict["mismatch_step"] is None, verdict["tokens_matched"]
