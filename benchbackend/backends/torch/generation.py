@@ -16,13 +16,11 @@ modules and weights: nothing is copied), the cache's conventions as ``numpy/gene
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ...spec.graph import INPUT
 from . import transformer as tt
 from .graph import GraphNet
 
@@ -100,28 +98,16 @@ class Generator:
         return int(sum(a.numel() * a.element_size() for a in arrays)), int(arrays[0].shape[2]) if arrays else 0
 
     def _next(self, ids: torch.Tensor, start: Any, static: bool) -> torch.Tensor:
-        net = self.net
-        values: dict[int, torch.Tensor] = {}
-        last = len(net.nodes) - 1
+        def cached(i: int, mod: Any, ins: list[torch.Tensor]) -> Optional[torch.Tensor]:
+            if isinstance(mod, tt.Attention):
+                return attention(mod, ins[0], self.caches[i], start, static)
+            if isinstance(mod, tt.PositionEmbedding):
+                return ins[0] + _rows(mod.table, start, ins[0].shape[1])
+            return None  # every other node as the network computes it
+
         with self.autocast():
-            for i, mod in enumerate(net.nodes):
-                ins = [ids if j == INPUT else values[j] for j in net.inputs[i]]
-                if i == last:
-                    ins = [a[:, -1:] for a in ins]
-                if isinstance(mod, tt.Attention):
-                    out = attention(mod, ins[0], self.caches[i], start, static)
-                elif isinstance(mod, tt.PositionEmbedding):
-                    out = ins[0] + _rows(mod.table, start, ins[0].shape[1])
-                elif net.is_add[i]:
-                    out = mod(sum(ins[1:], ins[0]))
-                elif net.is_multiply[i]:
-                    out = mod(math.prod(ins[1:], start=ins[0]))
-                elif net.tied[i] is not None:
-                    out = mod[1](mod[0](ins[0], net.nodes[net.tied[i]].table))
-                else:
-                    out = mod(ins[0])
-                values[i] = out
-        return values[last][:, -1].argmax(dim=-1).to(torch.int32)
+            out = self.net(ids, cached, last_only=True)
+        return out[:, -1].argmax(dim=-1).to(torch.int32)
 
     def _prefill_eager(self, ids: torch.Tensor) -> torch.Tensor:
         return self._next(ids, 0, static=False)

@@ -198,29 +198,41 @@ class GraphNet(nn.Module):
         last_use = {j: i for i, node in enumerate(graph.nodes) for j in node.inputs}
         self.free_after = [[j for j, last in last_use.items() if last == i and j != INPUT] for i in range(n)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, override: Any = None, last_only: bool = False) -> torch.Tensor:
+        """The network on ``x``. For generation (``generation.py``): ``override(i, module, inputs)``
+        gives a node's output in its module's place where it returns a tensor (attention reading its
+        cache), and ``last_only`` hands the last node its inputs' last position only."""
         values: dict[int, torch.Tensor] = {INPUT: x}
         out = x
+        last = len(self.nodes) - 1
         for i, mod in enumerate(self.nodes):
             ins = [values[j] for j in self.inputs[i]]
-            if self.is_add[i]:
-                total = ins[0]
-                for other in ins[1:]:
-                    total = total + other
-                out = mod(total)
-            elif self.is_multiply[i]:
-                product = ins[0]
-                for other in ins[1:]:
-                    product = product * other
-                out = mod(product)
-            elif self.tied[i] is not None:  # one table, read by the embedding and by this layer
-                out = mod[1](mod[0](ins[0], self.nodes[self.tied[i]].table))
-            else:
-                out = mod(ins[0])
+            if last_only and i == last:
+                ins = [a[:, -1:] for a in ins]
+            out = override(i, mod, ins) if override is not None else None
+            if out is None:
+                out = self._node(i, mod, ins)
             values[i] = out
             for j in self.free_after[i]:
                 del values[j]
         return out
+
+    def _node(self, i: int, mod: nn.Module, ins: list[torch.Tensor]) -> torch.Tensor:
+        """Node ``i``'s output from its inputs: a sum or product of them, a tied dense layer on its
+        embedding's table, or its module on its one input."""
+        if self.is_add[i]:
+            total = ins[0]
+            for other in ins[1:]:
+                total = total + other
+            return mod(total)
+        if self.is_multiply[i]:
+            product = ins[0]
+            for other in ins[1:]:
+                product = product * other
+            return mod(product)
+        if self.tied[i] is not None:  # one table, read by the embedding and by this layer
+            return mod[1](mod[0](ins[0], self.nodes[self.tied[i]].table))
+        return mod(ins[0])
 
     # --- the weights, node by node, in the canonical list's order ---------------------------------
     def arrays(self) -> list[torch.Tensor]:
