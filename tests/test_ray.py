@@ -146,8 +146,10 @@ def test_cells_per_node_shares_a_node_cpus():
 
 
 def test_timeout_applies_per_cell_on_the_node(cluster, tmp_path):
-    # 0.5 s: less than a worker takes to start
-    cells = _run(tmp_path, "timeout", _plan(tmp_path, "timeout", repeats=2), _ray_executor(timeout=0.5))
+    # A worker forked from a preloaded one can finish a 256-sample epoch inside 0.5 s (CI saw it
+    # once): 30 epochs of 2,048 samples cannot, on any machine, so the kill is what ends the cell.
+    plan = _plan(tmp_path, "timeout", limit=2048, epochs=30, repeats=2)
+    cells = _run(tmp_path, "timeout", plan, _ray_executor(timeout=0.5))
     assert [(c.repeat, c.status) for c in cells] == [(1, "timeout"), (2, "timeout")]
     assert "--timeout 0.5s" in cells[0].message
 

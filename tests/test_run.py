@@ -94,8 +94,9 @@ def test_model_that_cannot_learn_ends_chance_accuracy(tmp_path, monkeypatch, bac
 @requires_torch
 def test_timeout_is_a_row_and_the_run_goes_on(tmp_path):
     out_csv = tmp_path / "t.csv"
-    out = cli("run", "mnist", "-b", "torch", "-b", "numpy", "--data", "synthetic", "--limit", "256",
-              "--epochs", "1", "--repeats", "1", "--timeout", "0.5", "-o", str(out_csv), "--no-plots")
+    # 30 epochs of 2,048 samples: no worker, forked from a preloaded one or not, ends inside 0.5 s
+    out = cli("run", "mnist", "-b", "torch", "-b", "numpy", "--data", "synthetic", "--limit", "2048",
+              "--epochs", "30", "--repeats", "1", "--timeout", "0.5", "-o", str(out_csv), "--no-plots")
     assert out.returncode == 1
     df = results.read(out_csv)
     assert set(df[df.phase == "run"]["status"]) == {"timeout"}
