@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import glob
 import math
 import os
 import platform
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 from .columns import DECLARED
 from .errors import ResultsError
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 #: A training sample costs this many forward passes of FLOPs: the forward, the gradient of the
 #: activations and the gradient of the weights. ``achieved_flops`` and ``mfu`` count training so.
 TRAIN_FLOPS_FACTOR = 3
@@ -203,6 +204,22 @@ def rewrite(path: Path, rows: Callable[[list[str], Iterator[list[str]]], Iterabl
             written += 1
     os.replace(tmp, path)
     return written
+
+
+def expand(paths: list[str]) -> list[str]:
+    """Expand globs the shell left alone (quoted, or on Windows); directories stay for read_many.
+    Raises ``ResultsError`` for a glob that matches nothing."""
+    out: list[str] = []
+    for raw in paths:
+        raw = str(raw)
+        if any(c in raw for c in "*?[") and not Path(raw).exists():
+            found = sorted(glob.glob(raw))
+            if not found:
+                raise ResultsError(f"{raw}: no files match")
+            out += found
+        else:
+            out.append(raw)
+    return out
 
 
 def read(path: str | Path) -> "Any":

@@ -30,7 +30,12 @@ def _run(monkeypatch, tmp_path: Path, *args: str) -> Path:
 def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp_path):
     path = _run(monkeypatch, tmp_path, "--epochs", "2", "--parity-steps", "2", "--batch-size", "50")
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)  # as a user reads it, no benchbackend
-    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 11
+    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 12
+    # Schema 12: the quality gate's declaration on every row, and its verdict, judged as the run
+    # ended, on every row of the cell (one fp32 cell: its own baseline, so pass unless its checks failed).
+    assert set(raw["quality_metric"]) == {"val_accuracy"} and set(raw["quality_target"]) == {"0.99 of fp32"}
+    assert len(set(raw["gate"])) == 1 and set(raw["gate"]) <= {"pass", "not_judged"}
+    assert raw["gate_reason"].iloc[0] and set(raw["quality_samples"]) == {"256"}
     # Schema 9: every timed row says how much of the cell's cores other processes held (a share),
     # every row the load average as the cell started; the rows that time nothing say nothing.
     timed = raw[raw["phase"].isin(["build", "train_epoch", "inference"])]

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import pandas as pd
 
 from ..results import TRAIN_FLOPS_FACTOR
-from . import scaling
+from . import quality, scaling
 from . import tables_generation as generations
 from .experiments import CONTEXT_KEYS, context_name
 from .stats import CI_LABEL, ESTIMATOR, MIN_REPEATS, RANGE_LABEL, WIDE_SPAN, Ratio
@@ -213,9 +213,12 @@ def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time", generation: O
             how = "" if verdict in ("baseline", "n/a") else f"; vs {row['baseline']}: {row[f'{prefix}_text']}"
             parts.append(f"{what} {row['label']} ({_num(row[col])} s{how})")
         quickest = timed[col].idxmin()
-        if timed.loc[quickest, "status"] != "ok":
-            row = timed.loc[quickest]
+        row = timed.loc[quickest]
+        if row["status"] != "ok":
             notes.append(f"{row['label']} was quicker in {what} but is {row['status']}, so it is not ranked")
+        elif row["gate"] == "fail":
+            notes.append(f"{row['label']} was quicker in {what} but fails quality ({quality.shortfall_text(row)}), "
+                         "so it is not ranked")
     line = "fastest correct (*): " + "; ".join(parts) if parts else "no timings"
     return line + "".join(f"\nnote: {n}" for n in notes)
 
@@ -290,6 +293,9 @@ def _text(groups: pd.DataFrame, table: Callable[..., str], markdown: bool,
         scaled = scaling.rows(frame) if "replicas" in frame else None
         if scaled is not None:
             parts += ["**Scaling**" if markdown else "Scaling", scaling.SCALING_LINE, table(*scaled)]
+        gate = quality.pass_rates(frame)
+        if gate:
+            parts.append(gate)
         if verdicts:
             parts.append(_fastest_line(frame, metric, generation))
         blocks.append(("\n\n" if markdown else "\n").join(parts))

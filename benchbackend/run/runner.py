@@ -109,6 +109,14 @@ def definition(w: Workload, source: str) -> str:
             f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}{target}{generate}")
 
 
+def _quality(w: Workload) -> dict[str, Any]:
+    """The quality gate's declaration, on every row (``analysis.quality`` judges it when the run
+    ends): metric, target and the validation samples (tokens, for a language model) it reads."""
+    tokens = w.input_shape[0] if w.next_token else 1
+    return {"quality_metric": w.quality.metric, "quality_target": w.quality.text(),
+            "quality_samples": w.data.validation * tokens}
+
+
 @dataclass
 class _Open:
     """A running cell: the columns every row of it carries, its rows so far, its peak's cache key."""
@@ -277,7 +285,8 @@ class Runner:
                 "definition": definition(w, source), "limit": w.data.train, "epochs": w.training.epochs,
                 "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed,
                 "replicas": c.replicas, "threads": self._options(c).threads, "scale_lr": self.plan.options.scale_lr,
-                "scaling": self.plan.options.scaling if c.replicas > 1 else "strong"}
+                "scaling": self.plan.options.scaling if c.replicas > 1 else "strong",
+                **_quality(w)}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device, generates=self.plan.generate), base)
         if attempt == 1:
             self.display.cell_started(cell)
