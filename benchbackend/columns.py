@@ -145,6 +145,9 @@ DECLARED: tuple[Column, ...] = (
     _c("gate", T, "`pass`, `fail`, `not_judged` or `baseline_varies` (docs/results.md \"The quality gate\"); "
                   "empty where nothing trained", version=12),
     _c("gate_reason", T, "what the gate compared, or why it could not judge", version=12),
+    _c("epochs_to_target", N, "the first epoch whose validation accuracy reached `checks.target_accuracy` (`inf`: "
+                              "never), on every row of a cell that trained; compare's convergence verdict reads it",
+       version=12),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).

@@ -46,7 +46,7 @@ DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch
 #: A cell's attempt: its run, its place in that run's order (schema 3), the attempt (schema 5; older: 1).
 CELL_KEY = ("run_id", "cell_order", "attempt")
 #: What a cell's ``run`` row says for every row of the cell.
-CELL_LEVEL = ("status", "time_to_accuracy_s")
+CELL_LEVEL = ("status", "time_to_accuracy_s", "epochs_to_target")
 
 
 def canonical_device(name: Any) -> str:

@@ -109,11 +109,21 @@ def _gates(df: pd.DataFrame) -> dict[tuple[str, str, int], tuple[str, str]]:
 
 
 def test_each_repeat_is_judged_against_its_baselines_cell_from_the_same_initial_weights() -> None:
-    # Seeds differ between repeats (0.70 vs 0.80 at fp32): each bf16 repeat is held to its own.
-    g = _gates(_rows([("t", "fp32", 1, 0.70), ("t", "fp32", 2, 0.80), ("t", "bf16", 1, 0.70),
-                      ("t", "bf16", 2, 0.60)]))
-    assert g[("t", "bf16", 1)][0] == "pass" and g[("t", "fp32", 2)][0] == "pass"
-    assert g[("t", "bf16", 2)][0] == "fail" and g[("t", "bf16", 2)][1].startswith("0.750 of fp32")
+    # Each repeat starts from its own initial weights: each bf16 repeat is held to its own fp32 cell.
+    g = _gates(_rows([("t", "fp32", 1, 0.79), ("t", "fp32", 2, 0.80), ("t", "bf16", 1, 0.79),
+                      ("t", "bf16", 2, 0.70)]))
+    assert g[("t", "bf16", 1)] == ("pass", "1.000 of fp32 (t:eager fp32: 0.7900)") and g[("t", "fp32", 2)][0] == "pass"
+    assert g[("t", "bf16", 2)][0] == "fail" and g[("t", "bf16", 2)][1].startswith("0.875 of fp32")
+
+
+def test_a_baseline_whose_accuracy_the_seed_decides_is_not_judged_against() -> None:
+    # resnet20 at 32 steps read 0.84 and 0.54 at fp32 over two seeds, and bf16 0.63 of one of them.
+    cells = [("t", "fp32", 1, 0.84), ("t", "fp32", 2, 0.54), ("t", "bf16", 1, 0.87), ("t", "bf16", 2, 0.34)]
+    gate, why = _gates(_rows(cells, n=256))[("t", "bf16", 2)]
+    assert gate == "baseline_varies" and "2 seeds range 0.5400-0.8400" in why and "train longer" in why
+    # Seeds that differ by less than the validation set's noise are no reason: 0.77 and 0.82 on 256.
+    cells = [("t", "fp32", 1, 0.77), ("t", "fp32", 2, 0.82), ("t", "bf16", 1, 0.77), ("t", "bf16", 2, 0.82)]
+    assert {g for g, _ in _gates(_rows(cells, n=256)).values()} == {"pass"}
 
 
 def test_a_shortfall_within_the_noise_of_the_validation_set_is_not_judged() -> None:

@@ -35,7 +35,7 @@ import pandas as pd
 
 from .. import results
 from ..errors import ResultsError
-from . import busy, caveats, experiments, generation, quality, scaling, stats, summary, tables
+from . import busy, caveats, convergence, experiments, generation, quality, scaling, stats, summary, tables
 from .caveats import group_name
 from .experiments import CONTEXT_KEYS, GroupKey
 from .summary import METRICS, TTA
@@ -331,7 +331,7 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
             raise ResultsError(f"unknown candidate backend {name!r}; backends in these results: "
                                + ", ".join(sorted({k.label() for k in keys})))
     groups, warnings = rank(reduced, baseline, metric)
-    groups = scaling.annotate(groups, reduced, df)
+    groups = convergence.annotate(scaling.annotate(groups, reduced, df), reduced.repeats)
     warnings = report_warnings(groups, df, warnings, notes, metric)
     found, code = (regressions(groups, candidate, fail_on_regression, metric) if fail_on_regression is not None
                    else ([], 0))

@@ -110,7 +110,8 @@ def per_repeat(df: pd.DataFrame, skip_busy: bool = False) -> pd.DataFrame:
     keys = GROUP_KEYS + REPEAT_KEYS
     # One integer per repeat, in key order: every reduction below groups by it, not by seven columns.
     repeats = df.groupby(keys, sort=True, dropna=False)
-    df = df.assign(_repeat=repeats.ngroup(), **{c: _column(df, c) for c in _RATE_COLUMNS + ("time_to_accuracy_s",)})
+    df = df.assign(_repeat=repeats.ngroup(),
+                   **{c: _column(df, c) for c in _RATE_COLUMNS + ("time_to_accuracy_s", "epochs_to_target")})
     phase = df["phase"]
     train = df.loc[phase == "train_epoch", ["_repeat", "epoch", "seconds", "samples_per_s", "val_accuracy",
                                             *_RATE_COLUMNS]]
@@ -128,8 +129,9 @@ def per_repeat(df: pd.DataFrame, skip_busy: bool = False) -> pd.DataFrame:
     infer_first = inf[inf["pass"] == 1].groupby("_repeat")["seconds"].median()
     # A cell-level value on every row of the repeat: the largest is the one (inf: not reached).
     tta = df.groupby("_repeat")["time_to_accuracy_s"].max().rename("tta_s")
+    ett = df.groupby("_repeat")["epochs_to_target"].max().rename("epochs_to_target")
     status = repeat_status(df, "_repeat")
-    out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer, tta,
+    out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer, tta, ett,
                      repeat_shares(df)],
                     axis=1)
     out = out.reindex(range(repeats.ngroups))

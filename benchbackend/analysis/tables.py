@@ -160,6 +160,16 @@ def _train_rows(frame: pd.DataFrame, metric: str = "epoch-time") -> tuple[list[s
     return head, rows
 
 
+def _convergence_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """Epochs to the target accuracy over seeds (``convergence``): how many reached it, the median
+    epochs of those that did, MLPerf's trimmed time to accuracy, and the test against the reference."""
+    head = ["", "backend", "status", "seeds reached", "epochs to target", "trimmed time to acc s", "convergence"]
+    rows = [["", r.label, r.status, f"{r.ett_reached}/{r.ett_n}", _num(r.ett_median, "g"),
+             "never" if r.tta_trimmed == math.inf else _num(r.tta_trimmed), r.conv_text]
+            for _, r in frame.iterrows() if r.ett_n > 0]
+    return head, rows
+
+
 def _infer_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     base = frame["baseline"].iloc[0] or "baseline"
     ci_head, mixed = _interval_head(frame, "infer")
@@ -288,6 +298,10 @@ def _text(groups: pd.DataFrame, table: Callable[..., str], markdown: bool,
                 parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains, metric))]
             if timed_infer or not len(trains):
                 parts += ["**Inference**" if markdown else "Inference", table(*_infer_rows(frame))]
+        if "ett_n" in frame and (frame["ett_n"] > 0).any():
+            parts += ["**Convergence**" if markdown else "Convergence (epochs to checks.target_accuracy; repeats "
+                      "are seeds; trimmed: MLPerf's mean without the fastest and slowest run)",
+                      table(*_convergence_rows(frame))]
         if gen is not None:
             parts += generations.blocks(gen, table, markdown)
         scaled = scaling.rows(frame) if "replicas" in frame else None

@@ -344,6 +344,7 @@ class Runner:
         target = w.checks.target_accuracy
         if target is not None and outcome.status == "done" and not state.base["inference_only"]:
             values["time_to_accuracy_s"] = reached = checks.time_to_accuracy(state.rows, target)
+            values["epochs_to_target"] = checks.epochs_to_target(state.rows, target)
             self.display.note(f"{progress.tag(result.cell)} time to accuracy {target:g}: "
                               + (f"{reached:.2f}s of training" if reached != float("inf") else "not reached"))
         self.writer.end_cell({**state.base, **values, "message": result.message,
