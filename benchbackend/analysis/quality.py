@@ -14,8 +14,8 @@ baseline has no cell of that repeat, the median of all its ok repeats):
   or has no ok repeat, or it falls short by less than the noise of its validation set;
 - ``baseline_varies``: the baseline does not repeat itself, as the PyTorch compiler benchmark
   flags an eager baseline (``eager_variation``): its cells from the same initial weights (the same
-  repeat in several runs or files) disagree by more than the gate's margin (1 - target), or its
-  repeats (one per initial-weight seed) disagree by more than the margin and more than the
+  repeat in several runs or files) disagree by more than the gate's margin (1 - target), or,
+  judging another group, its repeats (one per initial-weight seed) disagree by more than the margin and more than the
   validation set's noise (a network trained too briefly for its accuracy to settle: resnet20 at
   32 steps read 0.84 and 0.54 at fp32 over two seeds). No ratio to such a baseline says anything.
 
@@ -200,8 +200,9 @@ def judge(reps: pd.DataFrame, df: pd.DataFrame) -> pd.DataFrame:
                     if found is not None and not len(found):
                         reason = f"{name} fp32 has no ok repeat with a validation accuracy"
                     else:
-                        ratio, gate, reason = _one(q, n, target, of, found, name, pair,
-                                                   None if base is None else values.get(base))
+                        # the seeds matter when another group is judged; a baseline's own cells are it
+                        seeds = None if base is None or base == group else values.get(base)
+                        ratio, gate, reason = _one(q, n, target, of, found, name, pair, seeds)
         out.at[index, "quality_ratio"], out.at[index, "gate"], out.at[index, "gate_reason"] = ratio, gate, reason
     return out
 
