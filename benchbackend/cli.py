@@ -93,7 +93,8 @@ def main() -> None:
 @click.option("--batch-size", "batch_sizes", multiple=True, type=click.IntRange(1), metavar="N",
               help="Training and inference batch size (repeatable: a sweep, each size its own experiment).")
 @click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True),
-              help="Peak of this device for MFU, instead of each framework's GEMM probe (cached per host/CPU).")
+              help="The device's datasheet peak (TFLOP/s, the run's precision): a second MFU, mfu_datasheet, "
+                   "beside the one against the best GEMM probe on the device.")
 @click.option("--threads", "thread_counts", multiple=True, type=click.IntRange(1), metavar="N",
               help="Intra-op threads for every backend (OpenMP/MKL too); repeatable: a sweep, each count its own "
                    "experiment, never pooled. Default: all cores. Recorded in the `threads` column.")

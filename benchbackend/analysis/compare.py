@@ -349,11 +349,11 @@ def report_warnings(groups: pd.DataFrame, df: pd.DataFrame, ranking: list[str], 
                     metric: str = "epoch-time") -> list[str]:
     """Every warning of one comparison, in the order they are shown: ``notes`` (skipped files),
     the baseline's (``ranking``, from :func:`rank`), a busy machine, stability, implausible figures,
-    environments, failed groups with
-    their run rows' reasons. The one list that ``compare`` prints, that ``run`` ends with and that
-    the report (index.html) holds."""
+    emulated bf16, environments, failed groups with their run rows' reasons. The one list that
+    ``compare`` prints, that ``run`` ends with and that the report (index.html) holds."""
     return (list(notes) + list(ranking) + caveats.busy_warnings(groups) + caveats.stability_warnings(groups, metric)
-            + caveats.implausible_warnings(groups) + caveats.environment_warnings(df) + caveats.status_warnings(groups))
+            + caveats.implausible_warnings(groups) + caveats.emulated_bf16_warnings(groups, df)
+            + caveats.environment_warnings(df) + caveats.status_warnings(groups))
 
 
 def _check_format(fmt: str) -> None:

@@ -49,6 +49,7 @@ SUMMARY_COLUMNS = [
     "infer_sps", "infer_sps_low", "infer_sps_high",
     # MFU: the peak each group was measured against ("peak": readable, "peak_flops": NaN when several)
     "flops_per_sample", "achieved_flops", "mfu", "infer_achieved_flops", "infer_mfu", "peak_flops", "peak",
+    "mfu_datasheet", "infer_mfu_datasheet", "peak_datasheet", "mfu_missing",
     # time to accuracy over the timed repeats that reached the target; the others counted apart
     "tta_s", "tta_low", "tta_high", "tta_interval", "tta_n", "tta_reached", "tta_missed",
     # the machine (``machine.py``): per phase, the timed repeats other processes made busy and the

@@ -315,12 +315,11 @@ def _memory(backend: Any) -> dict[str, Optional[float]]:
 
 
 def _peak(backend: Any, job: Job) -> Optional[dict[str, Any]]:
-    """The peak for MFU: ``--peak-tflops``, else the best GEMM probe taken on this device in this
-    precision with these threads (:mod:`benchbackend.run.peaks`). A backend whose registry entry
-    declares a probe adds its own framework's once; a CPU cell of one without adds NumPy's. None
-    when no probe exists for the device (a GPU runtime without its own, before any other probed)."""
-    if job.options.peak_tflops:
-        return {"flops": float(job.options.peak_tflops) * 1e12, "source": "--peak-tflops"}
+    """The peak for MFU: the best GEMM probe taken on this device in this precision with these
+    threads (:mod:`benchbackend.run.peaks`; ``--peak-tflops`` is a second denominator, the runner's).
+    A backend whose registry entry declares a probe adds its own framework's once; a CPU cell of one
+    without adds NumPy's. None when no probe exists for the device (a GPU runtime without its own,
+    before any other probed)."""
     from ..results import canonical_device, environment
     from . import peaks
 
