@@ -146,6 +146,14 @@ DECLARED: tuple[Column, ...] = (
     _c("cpu_bf16", F, "a CPU cell's CPU has bf16 arithmetic (`avx512_bf16`, `amx_bf16` or Arm's `bf16` in "
                       "/proc/cpuinfo); `False`: bf16 is emulated there, often slower than fp32; empty on a GPU cell "
                       "or where unknown", version=12),
+    _c("compile_s", N, "on a cell's second `train_epoch` (`inference`) row: the first epoch's (pass's) seconds "
+                       "minus this one's, the same steps: what the first dispatch cost beyond a steady one "
+                       "(tracing, compilation, autotuning, first touches); near 0, within noise, where nothing "
+                       "compiles", "s", 12),
+    _c("first_result_s", N, "on the same row, in the cell's first timed phase: the worker process's start (a "
+                            "preloaded worker's fork, its framework already imported) to the end of its first "
+                            "step: the wait before the first epoch (pass) began, plus that epoch less its other "
+                            "steps at this row's steady speed", "s", 12),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).
