@@ -13,7 +13,7 @@ from . import scaling
 from . import tables_generation as generations
 from .experiments import CONTEXT_KEYS, context_name
 from .stats import CI_LABEL, ESTIMATOR, MIN_REPEATS, RANGE_LABEL, WIDE_SPAN, Ratio
-from .summary import METRICS, TTA
+from .summary import INFER_METRICS, METRIC_NAMES, METRICS, TTA
 
 
 def short_message(message: str, width: int = 160) -> str:
@@ -130,6 +130,11 @@ def convention(baseline: str = "baseline", metric: str = "epoch-time") -> str:
         text += ("\nTraining is ranked on time to accuracy: the training seconds (epoch times summed, first "
                  "epoch included) until the validation accuracy first reached the workload's "
                  "target_accuracy; a repeat that never reached it has no time and is counted apart.")
+    elif metric in INFER_METRICS:
+        what = ("compile time (compile s: the first epoch or pass less a steady one, the same steps: tracing, "
+                "compilation, autotuning, first touches)" if metric == "compile-time" else
+                "time to first result (1st result s: the worker process's start to the end of its first step)")
+        text += f"\nRanked on {what}, in training and in inference."
     else:
         text += "\nTraining is ranked on the steady epoch time (median of the epochs after the first)."
     return text
@@ -139,6 +144,13 @@ def _shows_mfu(frame: pd.DataFrame, prefix: str) -> bool:
     """Whether the rows carry achieved FLOP/s at all (files before MFU do not): then a column."""
     col = "achieved_flops" if prefix == "train" else "infer_achieved_flops"
     return bool(frame[col].notna().any())
+
+
+def _dispatch_columns(frame: pd.DataFrame, prefix: str) -> list[tuple[str, str]]:
+    """(header, column) of the first dispatch's figures that some group of ``frame`` has (files
+    before schema 12 have none): ``compile s`` and ``1st result s`` (median over timed repeats)."""
+    return [(head, f"{prefix}{col}") for head, col in (("compile s", "compile_s"), ("1st result s", "first_result_s"))
+            if frame[f"{prefix}{col}"].notna().any()]
 
 
 def _shows_sheet(frame: pd.DataFrame) -> bool:
@@ -154,6 +166,8 @@ def _train_rows(frame: pd.DataFrame, metric: str = "epoch-time") -> tuple[list[s
     head = ["", "backend", "status", "repeats"]
     head += ["time to acc s", ci_head, "steady s"] if tta else ["1st epoch s", "steady s", ci_head]
     sheet = mfu and _shows_sheet(frame)
+    dispatch = _dispatch_columns(frame, "")
+    head += [h for h, _ in dispatch]
     head += ["samples/s"] + (["MFU"] if mfu else []) + (["MFU sheet"] if sheet else [])
     head += ["val acc", "parity err", f"vs {base}"]
     rows = []
@@ -161,6 +175,7 @@ def _train_rows(frame: pd.DataFrame, metric: str = "epoch-time") -> tuple[list[s
         row = ["*" if r.fastest_train else "", r.label, r.status, repeats_cell(r, tta)]
         row += ([_num(r.tta_s), _interval(r, "tta", mixed), _num(r.steady_s)] if tta else
                 [_num(r.first_s), _num(r.steady_s), _interval(r, "steady", mixed)])
+        row += [_num(getattr(r, col)) for _, col in dispatch]
         row += [_num(r.samples_per_s, ",.0f")] + ([_pct(r.mfu)] if mfu else []) + ([_pct(r.mfu_datasheet)] if sheet
                                                                                      else [])
         row += [_num(r.val_accuracy, ".4f"), _num(r.parity_max_abs, ".1e"), vs_cell(r, "train")]
@@ -174,9 +189,11 @@ def _infer_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     mfu = _shows_mfu(frame, "infer")
     head = ["", "backend", "status", "repeats", "1st pass s", "median s", "spread", ci_head]
     sheet = mfu and _shows_sheet(frame)
-    head += (["MFU"] if mfu else []) + (["MFU sheet"] if sheet else []) + [f"vs {base}"]
+    dispatch = _dispatch_columns(frame, "infer_")
+    head += [h for h, _ in dispatch] + (["MFU"] if mfu else []) + (["MFU sheet"] if sheet else []) + [f"vs {base}"]
     rows = [["*" if r.fastest_infer else "", r.label, r.status, repeats_cell(r), _num(r.infer_first_s),
              _num(r.infer_s), _spread(r.infer_spread), _interval(r, "infer", mixed)]
+            + [_num(getattr(r, col)) for _, col in dispatch]
             + ([_pct(r.infer_mfu)] if mfu else []) + ([_pct(r.infer_mfu_datasheet)] if sheet else [])
             + [vs_cell(r, "infer")]
             for _, r in frame.iterrows()]
@@ -215,8 +232,9 @@ def mfu_line(frame: pd.DataFrame) -> str:
 
 def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None) -> str:
     parts, notes = generations.fastest(generations.in_context(generation, frame))
-    train_what = "time to accuracy" if metric == TTA else "training"
-    for prefix, col, what in (("train", METRICS[metric], train_what), ("infer", "infer_s", "inference")):
+    infer_what = "inference" if metric not in INFER_METRICS else f"inference {METRIC_NAMES[metric]}"
+    for prefix, col, what in (("train", METRICS[metric], METRIC_NAMES[metric]),
+                              ("infer", INFER_METRICS.get(metric, "infer_s"), infer_what)):
         timed = frame[frame[col].notna()]
         if timed.empty:
             continue
