@@ -152,8 +152,9 @@ DECLARED: tuple[Column, ...] = (
                        "compiles", "s", 12),
     _c("first_result_s", N, "on the same row, in the cell's first timed phase: the worker process's start (a "
                             "preloaded worker's fork, its framework already imported) to the end of its first "
-                            "step: the wait before the first epoch (pass) began, plus that epoch less its other "
-                            "steps at this row's steady speed", "s", 12),
+                            "step: the wait before the first epoch (pass) began, less the harness's own checks in it "
+                            "(GEMM probe, parity), plus that epoch less its other steps at this row's steady speed",
+       "s", 12),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).

@@ -88,6 +88,10 @@ def test_first_dispatch_arithmetic():
     assert seen.see("train", 3, 121.0, 4.0, 4) == {}
     assert seen.see("inference", 1, 130.0, 3.0, 2) == {}
     assert seen.see("inference", 2, 133.0, 1.0, 2) == {"compile_s": 2.0}
+    checked = timing.FirstDispatch(100.0)
+    checked.exclude(1.5)  # a GEMM probe, say, before the first epoch
+    checked.see("train", 1, 103.0, 12.0, 4)
+    assert checked.see("train", 2, 116.0, 4.0, 4)["first_result_s"] == 10.5
     alone = timing.FirstDispatch(None)  # the process's start unknown: no first result
     alone.see("inference", 1, 5.0, 3.0, 2)
     assert alone.see("inference", 2, 8.0, 1.0, 2) == {"compile_s": 2.0}

@@ -58,13 +58,19 @@ class FirstDispatch:
     (pass), ``compile_s`` = the first epoch's seconds minus this one's (the two run the same steps,
     so the difference is what the first dispatch cost beyond a steady one: tracing, compilation,
     autotuning, first touches), and, in the cell's first timed phase, ``first_result_s`` = the
-    process's start to the end of its first step: the wait before the first epoch began, plus that
-    epoch less its other ``steps - 1`` steps at the steady speed. Nothing with one epoch (pass)."""
+    process's start to the end of its first step: the wait before the first epoch began, less the
+    harness's own work in it (``exclude``: the GEMM probe, the parity checks), plus that epoch
+    less its other ``steps - 1`` steps at the steady speed. Nothing with one epoch (pass)."""
 
     def __init__(self, started: Optional[float]):
         self.started = started
         self.first: dict[str, tuple[float, float]] = {}
         self.leading = ""
+        self.excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Seconds of the harness's own work before the first step, which a user's program would not do."""
+        self.excluded += seconds
 
     def see(self, phase: str, index: int, began: float, seconds: float, steps: int) -> dict[str, float]:
         """The columns of the ``index``-th epoch (pass) of ``phase``, begun at ``began`` (epoch seconds)."""
@@ -76,5 +82,6 @@ class FirstDispatch:
         began_first, first = self.first[phase]
         out = {"compile_s": first - seconds}
         if phase == self.leading and self.started is not None:
-            out["first_result_s"] = began_first - self.started + first - (steps - 1) / max(steps, 1) * seconds
+            waited = began_first - self.started - self.excluded
+            out["first_result_s"] = waited + first - (steps - 1) / max(steps, 1) * seconds
         return out
