@@ -78,6 +78,10 @@ def main() -> None:
               help="cpu, gpu, or a backend's own device id (e.g. a PlaidML device).")
 @click.option("-r", "--repeats", default=3, show_default=True, type=click.IntRange(1),
               help="Repeats per cell, each in a fresh process.")
+@click.option("--seeds", type=click.IntRange(1), metavar="N",
+              help="Initial-weight seeds per cell: every repeat starts from its own initial weights (the workload's "
+                   "seed and the repeat, the same on every backend), so N seeds are --repeats N; compare's "
+                   "convergence verdict needs 3 or more.")
 @click.option("--epochs", type=click.IntRange(1), help="Override the workload's epochs.")
 @click.option("--limit", type=click.IntRange(1), help="Cap training samples (validation/test shrink in proportion, "
                                                        "not below 256); with --inference-only, cap the test samples.")
@@ -145,7 +149,8 @@ def main() -> None:
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write plots next to the CSV.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display (the summary and verdict still print).")
 def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str, ...], precisions: tuple[str, ...],
-        replica_counts: tuple[int, ...], scale_lr: str, scaling: str, device: str, repeats: int, epochs: Optional[int],
+        replica_counts: tuple[int, ...], scale_lr: str, scaling: str, device: str, repeats: int,
+        seeds: Optional[int], epochs: Optional[int],
         limit: Optional[int], seed: Optional[int], data_source: str, text: Optional[Path],
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float],
         thread_counts: tuple[int, ...],
@@ -176,6 +181,12 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     from .run import resume as resuming
     from .spec import replicas
 
+    if seeds is not None:
+        given = click.get_current_context().get_parameter_source("repeats") != click.core.ParameterSource.DEFAULT
+        if given and repeats != seeds:
+            raise UsageFailure(f"--seeds {seeds} runs {seeds} repeats (each its own initial weights) and --repeats "
+                               f"{repeats} says otherwise: give one of them")
+        repeats = seeds
     if (prompt_tokens or new_tokens) and not generate:
         raise UsageFailure("--prompt-tokens and --new-tokens set up --generate: add --generate")
     if generate and max(replica_counts, default=1) > 1:

@@ -155,6 +155,19 @@ DECLARED: tuple[Column, ...] = (
                             "step: the wait before the first epoch (pass) began, less the harness's own checks in it "
                             "(GEMM probe, parity), plus that epoch less its other steps at this row's steady speed",
        "s", 12),
+    _c("quality_metric", T, "the workload's `quality.metric`: what the quality gate reads (`val_accuracy`: the last "
+                            "epoch's)", version=12),
+    _c("quality_target", T, "the gate's target: `0.99 of fp32` (the same backend's fp32 cells), `0.99 of reference` "
+                            "(the NumPy reference's) or a value (absolute)", version=12),
+    _c("quality_samples", N, "the samples the metric is measured on (validation), which bound its noise", version=12),
+    _c("quality", N, "the cell's metric, written when the run ends (empty: a cell that trains nothing)", version=12),
+    _c("quality_ratio", N, "`quality` over the baseline's median (absolute target: over the target)", version=12),
+    _c("gate", T, "`pass`, `fail`, `not_judged` or `baseline_varies` (docs/results.md \"The quality gate\"); "
+                  "empty where nothing trained", version=12),
+    _c("gate_reason", T, "what the gate compared, or why it could not judge", version=12),
+    _c("epochs_to_target", N, "the first epoch whose validation accuracy reached `checks.target_accuracy` (`inf`: "
+                              "never), on every row of a cell that trained; compare's convergence verdict reads it",
+       version=12),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).

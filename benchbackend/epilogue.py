@@ -66,7 +66,7 @@ def tables_and_plots(csv_path: Path, plots: bool, verdict: bool) -> None:
     """After a run: the compare tables (when backends can be compared), the plots, then on stderr
     the warnings the report holds (``compare.report_warnings``), and last the verdict."""
     from . import results
-    from .analysis import compare, experiments
+    from .analysis import compare, experiments, quality, summary
 
     try:
         df = experiments.for_comparison(results.read(csv_path))
@@ -74,6 +74,10 @@ def tables_and_plots(csv_path: Path, plots: bool, verdict: bool) -> None:
     except Exception as exc:  # a convenience after the fact: never lose the run over it
         _err(f"warning: comparison/plots not written: {exc}")
         return
+    try:  # each cell's gate in the file, judged now that every cell has ended
+        quality.write(csv_path, df, summary.per_repeat(df))
+    except Exception as exc:
+        _err(f"warning: the quality gates were not written to {csv_path}: {exc}")
     made: list[Path] = []
     if plots:
         try:

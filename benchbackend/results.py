@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import glob
 import math
 import os
 import platform
@@ -50,7 +51,7 @@ DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch
 #: A cell's attempt: its run, its place in that run's order (schema 3), the attempt (schema 5; older: 1).
 CELL_KEY = ("run_id", "cell_order", "attempt")
 #: What a cell's ``run`` row says for every row of the cell.
-CELL_LEVEL = ("status", "time_to_accuracy_s")
+CELL_LEVEL = ("status", "time_to_accuracy_s", "epochs_to_target")
 #: What names a device for MFU's denominator: ``run.peaks.key``'s fields as the rows hold them, and
 #: the replicas a data-parallel cell's peak is multiplied by. One peak per key in a file.
 PEAK_KEYS = ("host", "cpu", "gpu", "device", "precision", "threads", "replicas")
@@ -285,6 +286,22 @@ def rewrite(path: Path, rows: Callable[[list[str], Iterator[list[str]]], Iterabl
             written += 1
     os.replace(tmp, path)
     return written
+
+
+def expand(paths: list[str]) -> list[str]:
+    """Expand globs the shell left alone (quoted, or on Windows); directories stay for read_many.
+    Raises ``ResultsError`` for a glob that matches nothing."""
+    out: list[str] = []
+    for raw in paths:
+        raw = str(raw)
+        if any(c in raw for c in "*?[") and not Path(raw).exists():
+            found = sorted(glob.glob(raw))
+            if not found:
+                raise ResultsError(f"{raw}: no files match")
+            out += found
+        else:
+            out.append(raw)
+    return out
 
 
 def read(path: str | Path) -> "Any":

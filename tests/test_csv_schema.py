@@ -36,6 +36,11 @@ def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp
     timed = raw[raw["phase"].isin(["train_epoch", "inference"])]
     assert all((m != "" and 0 < float(m) <= 1) != (why != "") for m, why in zip(timed["mfu"], timed["mfu_missing"]))
     assert set(timed["cpu_bf16"]) <= {"True", "False"} and timed["cpu_bf16"].nunique() == 1
+    # And the quality gate's declaration on every row, and its verdict, judged as the run
+    # ended, on every row of the cell (one fp32 cell: its own baseline, so pass unless its checks failed).
+    assert set(raw["quality_metric"]) == {"val_accuracy"} and set(raw["quality_target"]) == {"0.99 of fp32"}
+    assert len(set(raw["gate"])) == 1 and set(raw["gate"]) <= {"pass", "not_judged"}
+    assert raw["gate_reason"].iloc[0] and set(raw["quality_samples"]) == {"256"}
     # Schema 9: every timed row says how much of the cell's cores other processes held (a share),
     # every row the load average as the cell started; the rows that time nothing say nothing.
     timed = raw[raw["phase"].isin(["build", "train_epoch", "inference"])]

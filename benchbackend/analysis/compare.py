@@ -25,7 +25,6 @@ TPOT, decode tokens/s per prompt length, by the same rule): ``generation``.
 """
 from __future__ import annotations
 
-import glob
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,7 +35,7 @@ import pandas as pd
 
 from .. import results
 from ..errors import ResultsError
-from . import busy, caveats, experiments, generation, scaling, stats, summary, tables
+from . import busy, caveats, convergence, experiments, generation, quality, scaling, stats, summary, tables
 from .caveats import group_name
 from .experiments import CONTEXT_KEYS, GroupKey
 from .summary import INFER_METRICS, METRIC_NAMES, METRICS, TTA
@@ -52,6 +51,7 @@ NOT_REACHED = "not ranked (target not reached)"
 BUSY = busy.WITHHELD
 #: Verdicts that say nothing either way: a busy machine, or an interval too wide to read (``stats``).
 WITHHELD = (BUSY, "too few repeats", "unstable")
+FAILS_QUALITY = quality.FAILS
 
 
 @dataclass
@@ -86,21 +86,6 @@ class CompareOutcome:
         return tables.verdict_lines(self.groups, self.metric, self.generation)
 
 
-def _expand(paths: list[str]) -> list[str]:
-    """Expand globs the shell left alone (quoted, or on Windows); directories stay for read_many."""
-    out: list[str] = []
-    for raw in paths:
-        raw = str(raw)
-        if any(c in raw for c in "*?[") and not Path(raw).exists():
-            found = sorted(glob.glob(raw))
-            if not found:
-                raise ResultsError(f"{raw}: no files match")
-            out += found
-        else:
-            out.append(raw)
-    return out
-
-
 def _keys(frame: pd.DataFrame) -> list[GroupKey]:
     return [GroupKey.of(k) for k in frame.index]
 
@@ -129,6 +114,7 @@ def _pick_baseline(frame: pd.DataFrame, baseline: Optional[str], where: str,
     keys = _keys(frame)
     if baseline is None:
         ok = [k for k in keys if summary.is_ok(frame.loc[k.index, "status"]) and frame.loc[k.index, "ok_repeats"] > 0]
+        ok = [k for k in ok if frame.loc[k.index, "gate"] != "fail"] or ok
         if metric == TTA:  # a baseline that never reached the target would leave every ratio n/a
             ok = [k for k in ok if frame.loc[k.index, "tta_reached"] > 0] or ok
         return min(ok, key=_preference) if ok else None
@@ -213,6 +199,8 @@ def rank(summary_: summary.Summary, baseline: Optional[str] = None,
                 busy = _busy(groups, key, base, prefix) if r is not None else ""
                 if busy:
                     verdict, text = BUSY, busy
+                if row["gate"] == "fail" and key != base and summary.is_ok(row["status"]):
+                    verdict, text = FAILS_QUALITY, quality.verdict_text(text, row)
                 new[f"{prefix}_ratio"].append(r.ratio if r else math.nan)
                 new[f"{prefix}_ratio_low"].append(r.low if r else math.nan)
                 new[f"{prefix}_ratio_high"].append(r.high if r else math.nan)
@@ -226,9 +214,11 @@ def rank(summary_: summary.Summary, baseline: Optional[str] = None,
 
 
 def _fastest(frame: pd.DataFrame, col: str, prefix: str) -> Optional[GroupKey]:
-    """The fastest group among the correct ones (every repeat ``ok``) that the machine left alone,
-    or None: a group timed beside other processes is no one's fastest (see :func:`_busy`)."""
-    ok = frame[(frame["status"] == "ok") & frame[col].notna() & (frame[f"{prefix}_busy"] == 0)]
+    """The fastest group among the correct ones (every repeat ``ok``, the quality gate not failed)
+    that the machine left alone, or None: a group timed beside other processes is no one's
+    fastest (see :func:`_busy`)."""
+    ok = frame[(frame["status"] == "ok") & frame[col].notna() & (frame[f"{prefix}_busy"] == 0)
+               & (frame["gate"] != "fail")]
     return GroupKey.of(ok[col].idxmin()) if len(ok) else None
 
 
@@ -273,6 +263,11 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
             detail = row["failed"] or row["status"]
             out.append(f"candidate failed: {group_name(groups, key)} is {row['status']} ({detail}), so it cannot pass "
                        "--fail-on-regression")
+            code = EXIT_CANDIDATE_FAILED
+            continue
+        if row["gate"] == "fail":
+            out.append(f"candidate failed: {group_name(groups, key)} fails the quality gate "
+                       f"({quality.shortfall_text(row)}), so it cannot pass --fail-on-regression")
             code = EXIT_CANDIDATE_FAILED
             continue
         if row["train_verdict"] == NOT_REACHED:
@@ -336,7 +331,7 @@ def _analyse(df: pd.DataFrame, baseline: Optional[str], candidate: tuple[str, ..
             raise ResultsError(f"unknown candidate backend {name!r}; backends in these results: "
                                + ", ".join(sorted({k.label() for k in keys})))
     groups, warnings = rank(reduced, baseline, metric)
-    groups = scaling.annotate(groups, reduced, df)
+    groups = convergence.annotate(scaling.annotate(groups, reduced, df), reduced.repeats)
     warnings = report_warnings(groups, df, warnings, notes, metric)
     found, code = (regressions(groups, candidate, fail_on_regression, metric) if fail_on_regression is not None
                    else ([], 0))
@@ -393,7 +388,7 @@ def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tup
     """
     _check_format(fmt)
     _check_metric(metric)
-    df, skipped = results.read_many(_expand(list(paths)), skip_bad=skip_bad)
+    df, skipped = results.read_many(results.expand(list(paths)), skip_bad=skip_bad)
     df = experiments.for_comparison(df)
     notes = [f"skipped {msg}" for msg in skipped]
     return compare_frame(df, baseline=baseline, candidate=candidate, fmt=fmt,

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from ..results import STATUSES, worst_status
+from . import quality
 from .busy import is_busy, repeat_shares
 from .experiments import GROUP_KEYS, REPEAT_KEYS, GroupKey, labels, with_experiment
 from .rates import RATE_COLUMNS as _RATE_COLUMNS
@@ -57,6 +58,8 @@ SUMMARY_COLUMNS = [
     # the machine (``machine.py``): per phase, the timed repeats other processes made busy and the
     # largest share of the cores they held; repeats left out as busy (``skip_busy``)
     "train_busy", "train_busy_share", "infer_busy", "infer_busy_share", "gen_busy", "gen_busy_share", "busy_left_out",
+    # the quality gate (``quality.groups``): the worst repeat's gate, how many passed of how many judged
+    "quality", "quality_ratio", "quality_target", "gate", "gate_pass", "gate_judged", "gate_reason",
 ]
 #: ``compare --metric``: the per-repeat value (a column of :class:`Summary`) that ranks training.
 METRICS = {"epoch-time": "steady_s", "time-to-accuracy": "tta_s", "compile-time": "compile_s",
@@ -113,11 +116,14 @@ def per_repeat(df: pd.DataFrame, skip_busy: bool = False) -> pd.DataFrame:
     first; the only pass when there is one), and tta_s (time to accuracy: ``inf`` when the target
     was not reached, NaN when the workload declared none), train_busy and infer_busy (the share
     of the cell's cores other processes held over its epochs and its passes, ``busy.phase_shares``;
-    NaN where not measured). With ``skip_busy``, a repeat busy in either phase feeds no timing."""
+    NaN where not measured), and the quality gate (``quality.judge``: a repeat that failed it feeds no
+    timing while its group has one that did not). With ``skip_busy``, a repeat busy in either phase
+    feeds no timing."""
     keys = GROUP_KEYS + REPEAT_KEYS
     # One integer per repeat, in key order: every reduction below groups by it, not by seven columns.
     repeats = df.groupby(keys, sort=True, dropna=False)
-    df = df.assign(_repeat=repeats.ngroup(), **{c: _column(df, c) for c in _RATE_COLUMNS + ("time_to_accuracy_s",)})
+    df = df.assign(_repeat=repeats.ngroup(),
+                   **{c: _column(df, c) for c in _RATE_COLUMNS + ("time_to_accuracy_s", "epochs_to_target")})
     phase = df["phase"]
     train = df.loc[phase == "train_epoch", ["_repeat", "epoch", "seconds", "samples_per_s", "val_accuracy",
                                             *_RATE_COLUMNS]]
@@ -135,10 +141,11 @@ def per_repeat(df: pd.DataFrame, skip_busy: bool = False) -> pd.DataFrame:
     infer_first = inf[inf["pass"] == 1].groupby("_repeat")["seconds"].median()
     # A cell-level value on every row of the repeat: the largest is the one (inf: not reached).
     tta = df.groupby("_repeat")["time_to_accuracy_s"].max().rename("tta_s")
+    ett = df.groupby("_repeat")["epochs_to_target"].max().rename("epochs_to_target")
     status = repeat_status(df, "_repeat")
     dispatch = [df.loc[phase == p].assign(**{c: _column(df, c)}).groupby("_repeat")[c].max().rename(name)
                 for p, cols in FIRST_DISPATCH.items() for c, name in cols]
-    out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer, tta,
+    out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer, tta, ett,
                      repeat_shares(df), *dispatch],
                     axis=1)
     out = out.reindex(range(repeats.ngroups))
@@ -148,6 +155,11 @@ def per_repeat(df: pd.DataFrame, skip_busy: bool = False) -> pd.DataFrame:
     for c in rates:
         out[c] = out[c].fillna(out.pop(f"first_{c}"))
     out["timed"] = timed_repeats(out["status"])
+    out = out.join(quality.judge(out, df))
+    # A repeat that failed the quality gate feeds no timing while its group has one that did not.
+    fails = out["gate"] == "fail"
+    others = (out["timed"] & ~fails).groupby(level=list(range(len(GROUP_KEYS))), sort=False).transform("any")
+    out["timed"] &= ~fails | ~others
     out["left_out"] = out["timed"] & is_busy(out) if skip_busy else False
     out["timed"] &= ~out["left_out"]
     return out
@@ -296,6 +308,7 @@ def summarize(df: pd.DataFrame, skip_busy: bool = False) -> Summary:
     groups = groups.join(parity)
     groups = with_rates(groups, df, _rate_rows(rows), _intervals(timed, "first_s", groups.index))
     groups = _with_tta(groups, timed)
+    groups = groups.join(quality.groups(reps))
     named = labels(GroupKey.of(k) for k in groups.index)
     groups["label"] = [named[GroupKey.of(k)] for k in groups.index]
     return Summary(groups=groups[SUMMARY_COLUMNS], repeats=reps)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import pandas as pd
 
 from ..results import TRAIN_FLOPS_FACTOR
-from . import scaling
+from . import quality, scaling
 from . import tables_generation as generations
 from .experiments import CONTEXT_KEYS, context_name
 from .stats import CI_LABEL, ESTIMATOR, MIN_REPEATS, RANGE_LABEL, WIDE_SPAN, Ratio
@@ -183,6 +183,16 @@ def _train_rows(frame: pd.DataFrame, metric: str = "epoch-time") -> tuple[list[s
     return head, rows
 
 
+def _convergence_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """Epochs to the target accuracy over seeds (``convergence``): how many reached it, the median
+    epochs of those that did, MLPerf's trimmed time to accuracy, and the test against the reference."""
+    head = ["", "backend", "status", "seeds reached", "epochs to target", "trimmed time to acc s", "convergence"]
+    rows = [["", r.label, r.status, f"{r.ett_reached}/{r.ett_n}", _num(r.ett_median, "g"),
+             "never" if r.tta_trimmed == math.inf else _num(r.tta_trimmed), r.conv_text]
+            for _, r in frame.iterrows() if r.ett_n > 0]
+    return head, rows
+
+
 def _infer_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     base = frame["baseline"].iloc[0] or "baseline"
     ci_head, mixed = _interval_head(frame, "infer")
@@ -250,9 +260,12 @@ def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time", generation: O
             how = "" if verdict in ("baseline", "n/a") else f"; vs {row['baseline']}: {row[f'{prefix}_text']}"
             parts.append(f"{what} {row['label']} ({_num(row[col])} s{how})")
         quickest = timed[col].idxmin()
-        if timed.loc[quickest, "status"] != "ok":
-            row = timed.loc[quickest]
+        row = timed.loc[quickest]
+        if row["status"] != "ok":
             notes.append(f"{row['label']} was quicker in {what} but is {row['status']}, so it is not ranked")
+        elif row["gate"] == "fail":
+            notes.append(f"{row['label']} was quicker in {what} but fails quality ({quality.shortfall_text(row)}), "
+                         "so it is not ranked")
     line = "fastest correct (*): " + "; ".join(parts) if parts else "no timings"
     return line + "".join(f"\nnote: {n}" for n in notes)
 
@@ -322,11 +335,18 @@ def _text(groups: pd.DataFrame, table: Callable[..., str], markdown: bool,
                 parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains, metric))]
             if timed_infer or not len(trains):
                 parts += ["**Inference**" if markdown else "Inference", table(*_infer_rows(frame))]
+        if "ett_n" in frame and (frame["ett_n"] > 0).any():
+            parts += ["**Convergence**" if markdown else "Convergence (epochs to checks.target_accuracy; repeats "
+                      "are seeds; trimmed: MLPerf's mean without the fastest and slowest run)",
+                      table(*_convergence_rows(frame))]
         if gen is not None:
             parts += generations.blocks(gen, table, markdown)
         scaled = scaling.rows(frame) if "replicas" in frame else None
         if scaled is not None:
             parts += ["**Scaling**" if markdown else "Scaling", scaling.SCALING_LINE, table(*scaled)]
+        gate = quality.pass_rates(frame)
+        if gate:
+            parts.append(gate)
         if verdicts:
             parts.append(_fastest_line(frame, metric, generation))
         blocks.append(("\n\n" if markdown else "\n").join(parts))

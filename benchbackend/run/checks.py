@@ -316,6 +316,16 @@ def time_to_accuracy(rows: Sequence[dict[str, Any]], target: float) -> float:
     return math.inf
 
 
+def epochs_to_target(rows: Sequence[dict[str, Any]], target: float) -> float:
+    """The first epoch (1, 2, ...) whose validation accuracy reached ``target``; ``inf`` when none
+    did (what MLPerf's convergence check counts, apart from how long an epoch took)."""
+    for r in sorted((r for r in rows if r.get("phase") == "train_epoch"), key=lambda r: r.get("epoch") or 0):
+        acc = r.get("val_accuracy")
+        if acc is not None and math.isfinite(acc) and acc >= target:
+            return float(r.get("epoch") or 0)
+    return math.inf
+
+
 def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = "fp32") -> tuple[str, str]:
     """Final (status, message) of one cell from its worker rows (runner-level statuses aside).
 

@@ -109,6 +109,14 @@ def definition(w: Workload, source: str) -> str:
             f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}{target}{generate}")
 
 
+def _quality(w: Workload) -> dict[str, Any]:
+    """The quality gate's declaration, on every row (``analysis.quality`` judges it when the run
+    ends): metric, target and the validation samples (tokens, for a language model) it reads."""
+    tokens = w.input_shape[0] if w.next_token else 1
+    return {"quality_metric": w.quality.metric, "quality_target": w.quality.text(),
+            "quality_samples": w.data.validation * tokens}
+
+
 @dataclass
 class _Open:
     """A running cell: the columns every row of it carries, its rows so far, its peak's cache key."""
@@ -278,7 +286,8 @@ class Runner:
                 "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed,
                 "replicas": c.replicas, "threads": self._options(c).threads, "scale_lr": self.plan.options.scale_lr,
                 "scaling": self.plan.options.scaling if c.replicas > 1 else "strong",
-                "peak_datasheet_flops": self.plan.options.peak_tflops * 1e12 if self.plan.options.peak_tflops else None}
+                "peak_datasheet_flops": self.plan.options.peak_tflops * 1e12 if self.plan.options.peak_tflops else None,
+                **_quality(w)}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device, generates=self.plan.generate), base)
         if attempt == 1:
             self.display.cell_started(cell)
@@ -338,6 +347,7 @@ class Runner:
         target = w.checks.target_accuracy
         if target is not None and outcome.status == "done" and not state.base["inference_only"]:
             values["time_to_accuracy_s"] = reached = checks.time_to_accuracy(state.rows, target)
+            values["epochs_to_target"] = checks.epochs_to_target(state.rows, target)
             self.display.note(f"{progress.tag(result.cell)} time to accuracy {target:g}: "
                               + (f"{reached:.2f}s of training" if reached != float("inf") else "not reached"))
         self.writer.end_cell({**state.base, **values, "message": result.message,

@@ -42,6 +42,7 @@ from .layers import (
     Strict,
     activation_of,
 )
+from .quality import QualitySpec
 from .repeat import expand_repeats
 
 __all__ = ["ActivationLayer", "Add", "BatchNorm", "Conv2D", "DataSpec", "Dense", "Dropout", "Flatten",
@@ -290,6 +291,8 @@ class Workload(_Strict):
     training: TrainingSpec
     inference: InferenceSpec = InferenceSpec()
     checks: ChecksSpec = ChecksSpec()
+    #: What a cell's result must reach to count (spec/quality.py); judged, not measured: not hashed.
+    quality: QualitySpec = QualitySpec()
     #: Set by ``--generate`` (with its overrides) or written in the YAML; None: the defaults.
     generation: Optional[GenerationSpec] = None
 
@@ -327,10 +330,11 @@ class Workload(_Strict):
         return self.generation or GenerationSpec()
 
     def hash(self) -> str:
-        """Short content hash of everything that changes what is measured (not the description;
-        not an absent ``generation``, so that the hashes from before it existed still hold)."""
-        payload = self.model_dump(mode="json", exclude={"description"} | ({"generation"} if self.generation is None
-                                                                           else set()))
+        """Short content hash of everything that changes what is measured (not the description, nor
+        the quality gate, which judges; not an absent ``generation``, so that the hashes from before
+        it existed still hold)."""
+        payload = self.model_dump(mode="json", exclude={"description", "quality"}
+                                  | ({"generation"} if self.generation is None else set()))
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
