@@ -97,7 +97,8 @@ def main() -> None:
 @click.option("--batch-size", "batch_sizes", multiple=True, type=click.IntRange(1), metavar="N",
               help="Training and inference batch size (repeatable: a sweep, each size its own experiment).")
 @click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True),
-              help="Peak of this device for MFU, instead of each framework's GEMM probe (cached per host/CPU).")
+              help="The device's datasheet peak (TFLOP/s, the run's precision): a second MFU, mfu_datasheet, "
+                   "beside the one against the best GEMM probe on the device.")
 @click.option("--threads", "thread_counts", multiple=True, type=click.IntRange(1), metavar="N",
               help="Intra-op threads for every backend (OpenMP/MKL too); repeatable: a sweep, each count its own "
                    "experiment, never pooled. Default: all cores. Recorded in the `threads` column.")
@@ -300,11 +301,13 @@ def list_(no_probe: bool, refresh: bool, markdown: bool) -> None:
 @click.option("--skip-bad", is_flag=True,
               help="Skip unreadable or invalid files (with a warning) instead of failing, and leave out the repeats "
                    "timed while other processes held the machine (which otherwise withhold their group's verdicts).")
-@click.option("--metric", type=click.Choice(["epoch-time", "time-to-accuracy"]), default="epoch-time",
-              show_default=True,
+@click.option("--metric", type=click.Choice(["epoch-time", "time-to-accuracy", "compile-time", "first-result"]),
+              default="epoch-time", show_default=True,
               help="What ranks the training table: the steady epoch time, or the time to accuracy (training seconds "
                    "until the validation accuracy first reached the workload's checks.target_accuracy; repeats "
-                   "that never reached it are counted apart, and a backend where none did is not ranked).")
+                   "that never reached it are counted apart, and a backend where none did is not ranked); or both "
+                   "tables: compile-time (the first epoch or pass less a steady one) or first-result (the worker "
+                   "process's start to the end of its first step).")
 @click.option("--fail-on-regression", type=click.FloatRange(min=1.0), metavar="FACTOR",
               help="Exit 3 when a --candidate (default: every non-baseline backend) is slower than the baseline "
                    "by more than FACTOR and significantly so (its 95% CI lies below 1); exit 4 when a "

@@ -76,15 +76,18 @@ DECLARED: tuple[Column, ...] = (
     _c("definition", T, "the definition, readably: `train=1024 val=256 test=256 epochs=2 batch=32 ...`", version=2),
     _c("achieved_flops", N, "FLOP/s of the timed row: `flops_per_sample` x samples/s, a training sample counted "
                             "3x", "FLOP/s", 2),
-    _c("mfu", N, "`achieved_flops` over `peak_flops`", version=2),
-    _c("peak_flops", N, "the peak MFU is against: the best GEMM probe on the device, or `--peak-tflops`", "FLOP/s",
-       2),
+    _c("mfu", N, "`achieved_flops` over `peak_flops`; never above 1 (then empty, and `mfu_missing` says why)",
+       version=2),
+    _c("peak_flops", N, "the peak `mfu` is against: the best GEMM probe taken on the device in the precision with "
+                        "the threads, whichever framework took it; one per device and precision in a file (its "
+                        "final rewrite gives every row the one `compare` uses). Before schema 12, `--peak-tflops` "
+                        "where given", "FLOP/s", 2),
     _c("peak_source", T, "where `peak_flops` came from", version=2),
     _c("time_to_accuracy_s", N, "training seconds until the validation accuracy first reached "
                                 "`checks.target_accuracy` (`inf`: never)", "s", 2),
     _c("cell_order", N, "the cell's place in the run's order (0 first)", version=3),
     _c("notes", T, "facts about a row that are not a failure's reason (build details, the trajectory's verdict, "
-                   "a busy machine, a peak shown too low)", version=3),
+                   "a busy machine)", version=3),
     _c("limit", N, "training samples per epoch (what `--limit` sets)", version=3),
     _c("epochs", N, "epochs of the definition", version=3),
     _c("batch_size", N, "the training batch (the global batch; each replica's under `--scaling weak`)", version=3),
@@ -135,6 +138,23 @@ DECLARED: tuple[Column, ...] = (
                           "(`audit_failed`); empty when all agree", version=11),
     _c("mismatch_step", N, "a `greedy` row's first step whose token differs from the reference's before a tie "
                            "(`generation_mismatch`)", version=11),
+    _c("peak_datasheet_flops", N, "`--peak-tflops`: the device's datasheet peak in the precision, as the user gave "
+                                  "it", "FLOP/s", 12),
+    _c("mfu_datasheet", N, "`achieved_flops` over `peak_datasheet_flops` (MLPerf's MFU); never above 1", version=12),
+    _c("mfu_missing", T, "why a timed row's `mfu` (or `mfu_datasheet`) is empty: no probe on the device, or the "
+                         "peak is below the row's achieved FLOP/s, so that peak is too low", version=12),
+    _c("cpu_bf16", F, "a CPU cell's CPU has bf16 arithmetic (`avx512_bf16`, `amx_bf16` or Arm's `bf16` in "
+                      "/proc/cpuinfo); `False`: bf16 is emulated there, often slower than fp32; empty on a GPU cell "
+                      "or where unknown", version=12),
+    _c("compile_s", N, "on a cell's second `train_epoch` (`inference`) row: the first epoch's (pass's) seconds "
+                       "minus this one's, the same steps: what the first dispatch cost beyond a steady one "
+                       "(tracing, compilation, autotuning, first touches); near 0, within noise, where nothing "
+                       "compiles", "s", 12),
+    _c("first_result_s", N, "on the same row, in the cell's first timed phase: the worker process's start (a "
+                            "preloaded worker's fork, its framework already imported) to the end of its first "
+                            "step: the wait before the first epoch (pass) began, less the harness's own checks in it "
+                            "(GEMM probe, parity), plus that epoch less its other steps at this row's steady speed",
+       "s", 12),
     _c("quality_metric", T, "the workload's `quality.metric`: what the quality gate reads (`val_accuracy`: the last "
                             "epoch's)", version=12),
     _c("quality_target", T, "the gate's target: `0.99 of fp32` (the same backend's fp32 cells), `0.99 of reference` "

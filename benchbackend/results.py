@@ -2,6 +2,11 @@
 
 One row per measurement. ``schema_version`` is bumped on any incompatible change; the reader
 refuses newer versions with a clear message and reads older ones.
+
+Over 400 lines: the file's three stages stay together because each reads what the other wrote: the
+appending writer, the final rewrite (every row's cell status, and the one MFU denominator per
+device with ``compare``'s rule, ``best_peaks`` and ``mfu_values``), and the validating reader with
+its migrations.
 """
 from __future__ import annotations
 
@@ -47,6 +52,12 @@ DEFINITION_COLUMNS = {"limit": "train", "epochs": "epochs", "batch_size": "batch
 CELL_KEY = ("run_id", "cell_order", "attempt")
 #: What a cell's ``run`` row says for every row of the cell.
 CELL_LEVEL = ("status", "time_to_accuracy_s", "epochs_to_target")
+#: What names a device for MFU's denominator: ``run.peaks.key``'s fields as the rows hold them, and
+#: the replicas a data-parallel cell's peak is multiplied by. One peak per key in a file.
+PEAK_KEYS = ("host", "cpu", "gpu", "device", "precision", "threads", "replicas")
+#: ``peak_source`` of a row whose ``peak_flops`` is the user's figure: before schema 12 ``--peak-tflops``
+#: replaced the probe (such a row keeps its figure); since, it has a column of its own.
+DATASHEET = "--peak-tflops"
 
 
 def canonical_device(name: Any) -> str:
@@ -168,10 +179,63 @@ def cell_values(path: Path) -> dict[tuple[str, str, str], dict[str, str]]:
     return out
 
 
+def best_peaks(rows: Iterable[tuple[tuple[str, ...], Any, Any]]) -> dict[tuple[str, ...], tuple[float, str]]:
+    """The one MFU denominator per device (``PEAK_KEYS``) of ``(key, peak_flops, peak_source)``
+    rows: the best GEMM probe any of them was measured against (``run.peaks``: a run whose
+    backends probe for the first time sees the best rise between its cells)."""
+    best: dict[tuple[str, ...], tuple[float, str]] = {}
+    for key, peak, source in rows:
+        flops, source = _number(peak), str(source or "")
+        if flops is not None and flops > 0 and not source.startswith(DATASHEET) and flops > best.get(key, (0.0,))[0]:
+            best[key] = (flops, source)
+    return best
+
+
+def _number(value: Any) -> Optional[float]:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def mfu_values(achieved: Any, peak: Any, source: str, precision: str, datasheet: Any) -> dict[str, Any]:
+    """A timed row's ``mfu`` (against ``peak``, the probe), ``mfu_datasheet`` (against ``--peak-tflops``)
+    and ``mfu_missing`` (why either is empty). An MFU above 1 is never given: the peak under-read
+    (a probe taken while the machine was busy, a framework's slow path for the precision, a low
+    ``--peak-tflops``), and the row says so instead. ``{}`` for a row without achieved FLOP/s."""
+    done = _number(achieved)
+    if done is None:
+        return {}
+    out: dict[str, Any] = {"mfu": None, "mfu_datasheet": None}
+    why = []
+    for col, figure, what in (("mfu", _number(peak), source or "GEMM probe"),
+                              ("mfu_datasheet", _number(datasheet), DATASHEET)):
+        if not figure or figure <= 0:
+            if col == "mfu":
+                why.append("no GEMM probe on this device and precision")
+            continue
+        value = done / figure
+        if value <= 1:
+            out[col] = value
+        else:
+            name = "MFU" if col == "mfu" else "datasheet MFU"
+            hint = "" if col == "mfu_datasheet" else " (a probe taken on a busy machine or a slow path)"
+            why.append(f"{name} {value:.0%} against {figure / 1e12:.3g} TFLOP/s {precision or 'fp32'} ({what}) "
+                       f"is above 100%, so that peak is too low{hint}")
+    out["mfu_missing"] = "; ".join(why)
+    return out
+
+
 def finalize(path: Path) -> None:
-    """Give every row of an ended cell its cell's final status and cell-level values; rewrite
-    ``path`` atomically, one pass to read the cells' ``run`` rows and one to copy the rows."""
+    """Give every row of an ended cell its cell's final status and cell-level values, and every
+    timed row the one peak per device (``best_peaks``, as ``compare`` re-divides) with its MFU
+    (``mfu_values``: never above 1); rewrite ``path`` atomically, one pass to read the cells'
+    ``run`` rows and the peaks and one to copy the rows."""
     final = cell_values(path)
+    with open(path, newline="") as fh:
+        best = best_peaks((tuple(row.get(c) or "" for c in PEAK_KEYS), row.get("peak_flops"), row.get("peak_source"))
+                          for row in csv.DictReader(fh) if row.get("phase") != "run")
 
     def rows(header: list[str], reader: Iterator[list[str]]) -> Iterator[list[str]]:
         index = {c: i for i, c in enumerate(header)}
@@ -181,9 +245,27 @@ def finalize(path: Path) -> None:
                 key = (row[run_id], row[order], (row[attempt] if attempt is not None else "") or "1")
                 for col, value in final.get(key, {}).items():
                     row[index[col]] = value
+            _one_peak(row, index, best)
             yield row
 
     rewrite(path, rows)
+
+
+def _one_peak(row: list[str], index: dict[str, int], best: dict[tuple[str, ...], tuple[float, str]]) -> None:
+    """``row`` (as text, in the file's column ``index``) against its device's best peak, its MFU again."""
+    if "achieved_flops" not in index or not row[index["achieved_flops"]]:
+        return
+    get = {c: row[i] for c, i in index.items()}.get
+    if (get("peak_source") or "").startswith(DATASHEET):
+        return  # schema < 12: the user's figure stood in for the probe, its MFU as written
+    found = best.get(tuple(get(c) or "" for c in PEAK_KEYS))
+    if found is not None:
+        row[index["peak_flops"]], row[index["peak_source"]] = _cell(found[0]), found[1]
+    values = mfu_values(get("achieved_flops"), row[index["peak_flops"]], row[index["peak_source"]],
+                        get("precision") or "", get("peak_datasheet_flops"))
+    for col, value in values.items():
+        if col in index:
+            row[index[col]] = _cell(value)
 
 
 def rewrite(path: Path, rows: Callable[[list[str], Iterator[list[str]]], Iterable[list[str]]]) -> int:
@@ -287,8 +369,11 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Rows of older schemas, as schema 11 says them (see ``columns.DECLARED``):
+    """Rows of older schemas, as schema 12 says them (see ``columns.DECLARED``):
 
+    - before 12, ``--peak-tflops`` replaced the probe in ``peak_flops`` (``peak_source`` says so; such
+      rows keep their figure and MFU, ``best_peaks`` leaves them out); no row had the datasheet's
+      columns, ``mfu_missing`` or ``cpu_bf16``: empty;
     - before 11, no row generated (``--generate``): its columns are empty;
     - before 10, no row had ``tokens_per_s`` (no language models): empty;
     - before 9, the machine was not watched: its columns are empty (not measured, never "quiet");

@@ -709,12 +709,15 @@ def test_mfu_says_when_peaks_differ_or_are_unknown(tmp_path: Path) -> None:
     w = results.CsvWriter(path)
     write_cells(w, "numpy", 2.0, flops=2e6, peak=PEAK, seed=1)
     write_cells(w, "torch", 1.0, flops=2e6, peak=PROBE, seed=2)
-    write_cells(w, "tensorflow", 1.5, flops=2e6, seed=3)  # no probe and no --peak-tflops
+    # no probe and no --peak-tflops with its threads (with torch's, torch's probe would be its peak too)
+    write_cells(w, "tensorflow", 1.5, flops=2e6, seed=3, threads=7)
     text = compare.run_compare([str(path)]).text
     line = next(ln for ln in text.splitlines() if ln.startswith("MFU"))
-    assert "each backend's own peak (they differ)" in line
-    assert "numpy 0.4 TFLOP/s fp32 (--peak-tflops)" in line
-    assert "torch 0.43 TFLOP/s fp32 (torch GEMM probe (cached 2026-11-21))" in line
+    assert "each backend's own peak" not in line  # one peak per device and precision, whoever probed it
+    assert line.startswith("MFU = achieved FLOP/s / the peak of its device and precision (the best GEMM probe taken "
+                           "there, whichever framework took it): ")
+    assert "0.4 TFLOP/s fp32 (--peak-tflops) for numpy" in line  # a file before schema 12 keeps its figure
+    assert "0.43 TFLOP/s fp32 (torch GEMM probe (cached 2026-11-21)) for torch" in line
     assert "MFU n/a for tensorflow: no peak known" in line
     assert _column(text, "Training", "MFU", "tensorflow") == "n/a"
     assert _column(text, "Training", "MFU", "torch").endswith("%")

@@ -31,7 +31,12 @@ def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp
     path = _run(monkeypatch, tmp_path, "--epochs", "2", "--parity-steps", "2", "--batch-size", "50")
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)  # as a user reads it, no benchbackend
     assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 12
-    # Schema 12: the quality gate's declaration on every row, and its verdict, judged as the run
+    # Schema 12: every timed row has an MFU no higher than 1 or says why it has none; a CPU cell's
+    # rows say whether the CPU has bf16 instructions (this machine's own flags).
+    timed = raw[raw["phase"].isin(["train_epoch", "inference"])]
+    assert all((m != "" and 0 < float(m) <= 1) != (why != "") for m, why in zip(timed["mfu"], timed["mfu_missing"]))
+    assert set(timed["cpu_bf16"]) <= {"True", "False"} and timed["cpu_bf16"].nunique() == 1
+    # And the quality gate's declaration on every row, and its verdict, judged as the run
     # ended, on every row of the cell (one fp32 cell: its own baseline, so pass unless its checks failed).
     assert set(raw["quality_metric"]) == {"val_accuracy"} and set(raw["quality_target"]) == {"0.99 of fp32"}
     assert len(set(raw["gate"])) == 1 and set(raw["gate"]) <= {"pass", "not_judged"}

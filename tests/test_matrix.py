@@ -26,8 +26,10 @@ def test_batch_size_sweep_is_a_matrix_dimension_with_mfu_on_every_timed_row(tmp_
     assert len(timed) == 2 * 5
     expected = timed["flops_per_sample"] * timed["samples_per_s"]  # inference: one forward per sample
     assert ((timed["achieved_flops"] - expected).abs() <= 1e-9 * expected).all()
-    assert ((timed["mfu"] - timed["achieved_flops"] / 0.5e12).abs() <= 1e-12).all()
-    assert set(timed["peak_source"]) == {"--peak-tflops"}
+    assert ((timed["mfu_datasheet"] - timed["achieved_flops"] / 0.5e12).abs() <= 1e-12).all()
+    assert set(timed["peak_datasheet_flops"]) == {0.5e12}  # beside the probe's MFU, not instead of it
+    assert ((timed["mfu"] - timed["achieved_flops"] / timed["peak_flops"]).abs() <= 1e-9).all()
+    assert timed["peak_source"].str.startswith("numpy GEMM probe").all() and timed["peak_flops"].nunique() == 1
 
 
 @pytest.mark.slow

@@ -72,10 +72,11 @@ def test_a_peak_shown_too_low_by_a_run_is_flagged_and_probed_again_next_run(tmp_
     assert first.exit_code == 0, first.output
     df = results.read(tmp_path / "a.csv")
     timed = df[df.phase == "inference"]
-    assert (timed["mfu"] > 1).all() and set(timed["peak_source"]) == {"lowpeak GEMM probe"}
-    assert timed["notes"].str.contains("above 100%: the peak .* is too low; the cached probe is dropped").all()
-    assert first.output.count("is above 100%: the peak") == 1  # said once per cell on the terminal (the run row)
-    assert "is above 100%, which is impossible" in first.output  # and named among the warnings
+    assert timed["mfu"].isna().all() and set(timed["peak_source"]) == {"lowpeak GEMM probe"}  # never above 1
+    assert timed["mfu_missing"].str.contains(r"^MFU \d+% against .* \(lowpeak GEMM probe\) is above 100%").all()
+    assert first.output.count("is above 100%: the peak") == 1  # said once per cell on the terminal
+    assert "the cached probe is dropped" in first.output
+    assert "MFU left out of its rows where it would be above 100%, which is impossible" in first.output  # a warning
     assert json.loads((tmp_path / "cache" / "peaks.json").read_text()) == {}
 
     second = _run(tmp_path, tmp_path / "b.csv")

@@ -44,6 +44,59 @@ def test_every_timed_region_ends_after_the_device_work(device, tmp_path, virtual
     assert virtual_clock() > 0
 
 
+def test_compile_time_is_the_first_epoch_and_pass_less_a_steady_one(tmp_path, virtual_clock):
+    """Issue 40 item 3: a device whose first step at each shape compiles for ``COMPILE_SECONDS``
+    (``CompilingDevice``). The second epoch's row and the second pass's say exactly that much
+    ``compile_s`` (the parity and validation passes compiled their own batch size, not the timed
+    one); ``first_result_s`` counts from the process's start (here the cell's) to the end of the
+    first step: the wall seconds before epoch 1 began (0 to this test's own), then the compile and
+    one step of the epoch's at the steady speed. An inference-only cell: its passes say both."""
+    import time
+
+    from support.lazy_backend import COMPILE_SECONDS
+
+    w = workload.load("mnist").with_overrides(limit=64, epochs=3)
+    steps = -(-64 // w.training.batch_size)
+    wall = time.time()
+    msgs, rows = run_cell(tmp_path, w, "numpy", target="support.lazy_backend:CompilingDevice")
+    wall = time.time() - wall
+    assert not [m for m in msgs if m.get("type") in ("error", "unavailable")], msgs
+    epochs = [r for r in rows if r["phase"] == "train_epoch"]
+    passes = [r for r in rows if r["phase"] == "inference"]
+    assert [e["seconds"] for e in epochs] == pytest.approx([DEVICE_SECONDS + COMPILE_SECONDS] + 2 * [DEVICE_SECONDS])
+    assert [("compile_s" in e, "first_result_s" in e) for e in epochs] == [(False, False), (True, True),
+                                                                           (False, False)]
+    assert epochs[1]["compile_s"] == pytest.approx(COMPILE_SECONDS)
+    first_step = COMPILE_SECONDS + DEVICE_SECONDS / steps
+    assert first_step - 1e-9 <= epochs[1]["first_result_s"] <= first_step + wall
+    assert passes[1]["compile_s"] == pytest.approx(COMPILE_SECONDS) and "first_result_s" not in passes[1]
+    assert not any("compile_s" in p for i, p in enumerate(passes) if i != 1)
+
+    _, rows = run_cell(tmp_path, w, "numpy", target="support.lazy_backend:CompilingDevice", trains=False)
+    passes = [r for r in rows if r["phase"] == "inference"]  # inference only: its first pass holds the first result
+    assert not [r for r in rows if r["phase"] == "train_epoch"]
+    assert passes[1]["compile_s"] == pytest.approx(COMPILE_SECONDS) and passes[1]["first_result_s"] > COMPILE_SECONDS
+
+
+def test_first_dispatch_arithmetic():
+    """``timing.FirstDispatch`` on given times: a process started at 100 s, epoch 1 began at 103 s and
+    took 12 s over 4 steps, epoch 2 took 4 s (1 s a step): compile 8 s; the first step ended 3 + 12
+    - 3 x 1 = 12 s after the start. The inference after it (3 s then 1 s) has compile 2 s only."""
+    seen = timing.FirstDispatch(100.0)
+    assert seen.see("train", 1, 103.0, 12.0, 4) == {}
+    assert seen.see("train", 2, 116.0, 4.0, 4) == {"compile_s": 8.0, "first_result_s": 12.0}
+    assert seen.see("train", 3, 121.0, 4.0, 4) == {}
+    assert seen.see("inference", 1, 130.0, 3.0, 2) == {}
+    assert seen.see("inference", 2, 133.0, 1.0, 2) == {"compile_s": 2.0}
+    checked = timing.FirstDispatch(100.0)
+    checked.exclude(1.5)  # a GEMM probe, say, before the first epoch
+    checked.see("train", 1, 103.0, 12.0, 4)
+    assert checked.see("train", 2, 116.0, 4.0, 4)["first_result_s"] == 10.5
+    alone = timing.FirstDispatch(None)  # the process's start unknown: no first result
+    alone.see("inference", 1, 5.0, 3.0, 2)
+    assert alone.see("inference", 2, 8.0, 1.0, 2) == {"compile_s": 2.0}
+
+
 def test_the_copy_of_the_arrays_to_the_device_is_timed_in_build_and_in_no_epoch_or_pass(tmp_path, virtual_clock):
     """The data placement rule: the training arrays (``set_data``) and the splits that validation
     and inference read (``to_device``) go to the device inside the ``build`` row's region, which

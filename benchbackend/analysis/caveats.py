@@ -158,7 +158,8 @@ def implausible_warnings(groups: pd.DataFrame) -> list[str]:
     """Results that cannot be true, each named with its figures so that no one reads it as a
     finding: a scaling efficiency above 1 (``scaling.check``: implausible where its interval lies
     above 1 too, unstable where the interval holds 1) and an MFU above 100% (the peak it is against
-    under-read, or the timing is spoiled). ``groups`` is ``compare.rank``'s, through ``scaling.annotate``."""
+    under-read, or the timing is spoiled): a row's is left out (``results.mfu_values``) and its reason
+    named here. ``groups`` is ``compare.rank``'s, through ``scaling.annotate``."""
     from . import scaling
 
     out = []
@@ -177,6 +178,10 @@ def implausible_warnings(groups: pd.DataFrame) -> list[str]:
             why = "its 95% CI holds 1" if row["scaling_low"] <= 1 else "no interval, one repeat a side"
             out.append(f"{figures} within noise ({why}): too unstable to read; rerun with more repeats on an idle "
                        "machine")
+    left_out = (groups["mfu_missing"] != "") & ((groups["peak"] != "") | (groups["peak_datasheet"] != ""))
+    for index, row in groups[left_out].iterrows():
+        out.append(f"{group_name(groups, index)}: MFU left out of its rows where it would be above 100%, which is "
+                   f"impossible: {row['mfu_missing']}")
     for col, what in (("mfu", "training"), ("infer_mfu", "inference")):
         for index, row in groups[groups[col] > 1].iterrows():
             peak = f" ({row['peak']})" if row["peak"] else ""
@@ -184,3 +189,25 @@ def implausible_warnings(groups: pd.DataFrame) -> list[str]:
                        f"impossible: the peak it is against{peak} under-read (a probe taken on a busy machine, a low "
                        "--peak-tflops), or the timing is spoiled")
     return out
+
+
+#: The ``/proc/cpuinfo`` flags that give a CPU bf16 arithmetic (``machine.native_bf16``), as the caveat names them.
+BF16_FLAGS = "avx512_bf16, amx_bf16 or Arm's bf16"
+
+
+def emulated_bf16_warnings(groups: pd.DataFrame, df: pd.DataFrame) -> list[str]:
+    """The bf16 groups that ran on a CPU without bf16 instructions (their rows' ``cpu_bf16`` is
+    False): there every bf16 operation goes through fp32 and back, several times slower than fp32
+    (4-7x on an AVX2 EPYC in issue 40), which is the CPU's doing, not the framework's."""
+    if "cpu_bf16" not in df.columns:
+        return []
+    rows = df[(df["precision"] == "bf16") & (df["cpu_bf16"].astype(str) == "False")]
+    found = set(map(tuple, rows[GROUP_KEYS].astype(str).to_numpy()))
+    emulated = pd.Series([tuple(map(str, k)) in found for k in groups.index], index=groups.index)
+    if not emulated.any():
+        return []
+    cpus = sorted(set(rows["cpu"].astype(str))) if "cpu" in rows else []
+    return [f"bf16 is emulated on this CPU ({', '.join(cpus) or 'its flags'}: no {BF16_FLAGS} in /proc/cpuinfo), so "
+            f"every bf16 operation goes through fp32 and back, often several times slower than fp32: "
+            f"{_names(groups, emulated)}. Their bf16 times are the CPU's, not the framework's; time bf16 on a CPU "
+            "with bf16 instructions or on a GPU"]

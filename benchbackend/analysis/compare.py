@@ -16,12 +16,12 @@ feed the timings. The text comes from :mod:`benchbackend.analysis.tables`.
 ``metric="time-to-accuracy"`` ranks the training table on per-repeat time to accuracy instead
 (DAWNBench's metric: the training seconds until the validation accuracy first reached the
 workload's ``checks.target_accuracy``), with the same decision rule; a repeat that never reached
-the target has no time and is counted apart, and a group where none did is not ranked.
+the target has no time and is counted apart, and a group where none did is not ranked. ``compile-time``
+and ``first-result`` rank both tables on the first dispatch's figures (``timing.FirstDispatch``).
 
-The decision rules are in :mod:`benchbackend.analysis.stats`, the reductions in :mod:`benchbackend.analysis.summary`,
-the warnings in :mod:`benchbackend.analysis.caveats` (``report_warnings`` here orders them) and the
-formatting in :mod:`benchbackend.analysis.tables`; generation's (``--generate``: TTFT, TPOT, decode
-tokens/s per prompt length, by the same rule) in :mod:`benchbackend.analysis.generation`.
+Decision rules: :mod:`benchbackend.analysis.stats`; reductions: ``summary``; warnings: ``caveats``
+(``report_warnings`` here orders them); formatting: ``tables``; generation's (``--generate``: TTFT,
+TPOT, decode tokens/s per prompt length, by the same rule): ``generation``.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from ..errors import ResultsError
 from . import busy, caveats, convergence, experiments, generation, quality, scaling, stats, summary, tables
 from .caveats import group_name
 from .experiments import CONTEXT_KEYS, GroupKey
-from .summary import METRICS, TTA
+from .summary import INFER_METRICS, METRIC_NAMES, METRICS, TTA
 
 FORMATS = ("table", "markdown", "csv", "json")
 #: Exit codes of ``compare --fail-on-regression`` (``cli.py`` maps them; 0 otherwise).
@@ -77,8 +77,7 @@ class CompareOutcome:
 
     @cached_property
     def body(self) -> str:
-        """The terminal table without its verdict lines (``run`` prints its warnings between the
-        two, so that its last word is the verdict)."""
+        """The terminal table without its verdict lines (``run`` prints its warnings between: the verdict is last)."""
         return tables.render(self.groups, "table", self.warnings, self.metric, verdicts=False,
                              generation=self.generation)
 
@@ -107,7 +106,7 @@ def _preference(key: GroupKey) -> tuple:
 
 def _metrics(metric: str) -> tuple[tuple[str, str], ...]:
     """(table prefix, per-repeat column) of the training and the inference ranking."""
-    return (("train", METRICS[metric]), ("infer", "infer_s"))
+    return (("train", METRICS[metric]), ("infer", INFER_METRICS.get(metric, "infer_s")))
 
 
 def _pick_baseline(frame: pd.DataFrame, baseline: Optional[str], where: str,
@@ -276,8 +275,9 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
                        f"({row['tta_missed']} repeat(s)), so it cannot pass --fail-on-regression")
             code = EXIT_CANDIDATE_FAILED
             continue
-        train_what = "time to accuracy" if metric == TTA else "steady epoch"
-        for prefix, what in (("train", train_what), ("infer", "inference")):
+        infer_what = "inference" if metric not in INFER_METRICS else f"inference {METRIC_NAMES[metric]}"
+        train_what = "steady epoch" if metric == "epoch-time" else METRIC_NAMES[metric]
+        for prefix, what in (("train", train_what), ("infer", infer_what)):
             ratio = row[f"{prefix}_ratio"]
             if not ratio > 0 or 1 / ratio <= factor:
                 continue
@@ -344,11 +344,11 @@ def report_warnings(groups: pd.DataFrame, df: pd.DataFrame, ranking: list[str], 
                     metric: str = "epoch-time") -> list[str]:
     """Every warning of one comparison, in the order they are shown: ``notes`` (skipped files),
     the baseline's (``ranking``, from :func:`rank`), a busy machine, stability, implausible figures,
-    environments, failed groups with
-    their run rows' reasons. The one list that ``compare`` prints, that ``run`` ends with and that
-    the report (index.html) holds."""
+    emulated bf16, environments, failed groups with their run rows' reasons. The one list that
+    ``compare`` prints, that ``run`` ends with and that the report (index.html) holds."""
     return (list(notes) + list(ranking) + caveats.busy_warnings(groups) + caveats.stability_warnings(groups, metric)
-            + caveats.implausible_warnings(groups) + caveats.environment_warnings(df) + caveats.status_warnings(groups))
+            + caveats.implausible_warnings(groups) + caveats.emulated_bf16_warnings(groups, df)
+            + caveats.environment_warnings(df) + caveats.status_warnings(groups))
 
 
 def _check_format(fmt: str) -> None:

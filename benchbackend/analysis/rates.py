@@ -13,10 +13,11 @@ import math
 import numpy as np
 import pandas as pd
 
+from ..results import DATASHEET, PEAK_KEYS, best_peaks, mfu_values
 from .experiments import GROUP_KEYS
 
 #: Per-repeat values of the training and the inference phase, reduced alike (``summary.per_repeat``).
-RATE_COLUMNS = ("achieved_flops", "mfu")
+RATE_COLUMNS = ("achieved_flops", "mfu", "mfu_datasheet")
 
 
 def column(df: pd.DataFrame, name: str) -> pd.Series:
@@ -32,29 +33,39 @@ def peak_text(peak_flops: float, source: str, precision: str) -> str:
     return f"{peak_flops / 1e12:.3g} TFLOP/s {precision or 'fp32'}{where}"
 
 
-#: What names a device for MFU's denominator (as ``peaks.key`` does): a peak on one is not another's.
-_DEVICE_KEYS = ("host", "cpu", "gpu", "device", "precision", "threads")
-
-
 def one_peak(df: pd.DataFrame) -> pd.DataFrame:
-    """Every row measured against a GEMM probe, measured again against the best probe the frame
-    holds for its device, precision and threads (``peaks``: one denominator per device, so that MFU
-    compares across backends; a run whose backends probed for the first time saw the best rise
-    between its cells). Rows against ``--peak-tflops`` keep their datasheet figure."""
-    if "peak_flops" not in df.columns:
+    """Every timed row measured against the best GEMM probe the frame holds for its device,
+    precision and threads (``results.PEAK_KEYS``: one denominator per device, so that MFU compares
+    across backends; a run whose backends probed for the first time saw the best rise between its
+    cells), its MFU again, never above 1 (``results.mfu_values``: the rule of the file's own final
+    rewrite, so that a file's rows and compare agree). Rows of files before schema 12 against
+    ``--peak-tflops`` keep their datasheet figure."""
+    if "peak_flops" not in df.columns or "achieved_flops" not in df.columns:
         return df
-    peak = column(df, "peak_flops")
+    text = {c: df[c].astype(str) if c in df.columns else pd.Series("", index=df.index) for c in PEAK_KEYS}
+    keys = list(zip(*(text[c] for c in PEAK_KEYS)))
     source = df.get("peak_source", pd.Series("", index=df.index)).fillna("").astype(str)
-    probed = (peak > 0) & ~source.str.startswith("--peak-tflops")
-    if not probed.any():
+    best = best_peaks(zip(keys, df["peak_flops"], source))
+    timed = column(df, "achieved_flops").notna() & ~source.str.startswith(DATASHEET)
+    if not timed.any():
         return df
-    keys = [df.loc[probed, c].astype(str) for c in _DEVICE_KEYS if c in df.columns]
-    at_best = peak[probed].groupby(keys, sort=False, dropna=False).transform("idxmax")
     df = df.copy()
-    df.loc[probed, "peak_flops"] = peak[at_best.to_numpy()].to_numpy()
-    df.loc[probed, "peak_source"] = source[at_best.to_numpy()].to_numpy()
-    achieved = column(df, "achieved_flops")
-    df.loc[probed, "mfu"] = (achieved / df.loc[probed, "peak_flops"].astype(float))[probed]
+    for col in ("mfu_missing", "peak_source"):
+        df[col] = df[col].fillna("").astype(str) if col in df.columns else ""
+    datasheet = column(df, "peak_datasheet_flops")
+    precision = df.get("precision", pd.Series("", index=df.index)).fillna("").astype(str)
+    updates: dict[str, list] = {c: [] for c in ("peak_flops", "peak_source", "mfu", "mfu_datasheet", "mfu_missing")}
+    rows = np.flatnonzero(timed.to_numpy())
+    for i in rows:
+        peak, src = best.get(keys[i], (df["peak_flops"].iat[i], source.iat[i]))
+        values = mfu_values(df["achieved_flops"].iat[i], peak, src, precision.iat[i], datasheet.iat[i])
+        for col, value in (("peak_flops", peak), ("peak_source", src), *values.items()):
+            updates[col].append(math.nan if value is None else value)
+    for col, values in updates.items():
+        if col not in df.columns:
+            df[col] = math.nan if col != "mfu_missing" else ""
+        df.iloc[rows, df.columns.get_loc(col)] = np.array(values, dtype=object if col in ("peak_source",
+                                                                                           "mfu_missing") else float)
     return df
 
 
@@ -97,6 +108,13 @@ def with_rates(groups: pd.DataFrame, df: pd.DataFrame, phase_rows: tuple[pd.Data
     timed_phase = df[df["phase"].isin(["train_epoch", "inference"])]
     groups["flops_per_sample"] = column(timed_phase, "flops_per_sample").groupby(
         [timed_phase[k] for k in GROUP_KEYS], sort=False).max().reindex(groups.index)
+    by_group = [timed_phase[k] for k in GROUP_KEYS]
+    sheet = column(timed_phase, "peak_datasheet_flops")
+    groups["peak_datasheet"] = sheet.groupby(by_group, sort=False).max().reindex(groups.index).map(
+        lambda f: f"{f / 1e12:.3g} TFLOP/s (--peak-tflops)" if f > 0 else "")
+    missing = timed_phase.get("mfu_missing", pd.Series("", index=timed_phase.index)).fillna("").astype(str)
+    groups["mfu_missing"] = missing.groupby(by_group, sort=False).agg(
+        lambda m: next((w for w in m if w), "")).reindex(groups.index).fillna("")
     peaks = pd.DataFrame({"peak_flops": column(timed_phase, "peak_flops"),
                           "source": timed_phase.get("peak_source", pd.Series("", index=timed_phase.index)),
                           "precision": timed_phase.get("precision", pd.Series("", index=timed_phase.index))})

@@ -48,8 +48,11 @@ SUMMARY_COLUMNS = [
     "infer_first_s", "infer_s", "infer_low", "infer_high", "infer_interval", "infer_spread", "infer_n",
     "threads",
     "infer_sps", "infer_sps_low", "infer_sps_high",
+    # the first dispatch's cost beyond a steady one, and the process's start to its first step (issue 40)
+    "compile_s", "first_result_s", "infer_compile_s", "infer_first_result_s",
     # MFU: the peak each group was measured against ("peak": readable, "peak_flops": NaN when several)
     "flops_per_sample", "achieved_flops", "mfu", "infer_achieved_flops", "infer_mfu", "peak_flops", "peak",
+    "mfu_datasheet", "infer_mfu_datasheet", "peak_datasheet", "mfu_missing",
     # time to accuracy over the timed repeats that reached the target; the others counted apart
     "tta_s", "tta_low", "tta_high", "tta_interval", "tta_n", "tta_reached", "tta_missed",
     # the machine (``machine.py``): per phase, the timed repeats other processes made busy and the
@@ -59,8 +62,17 @@ SUMMARY_COLUMNS = [
     "quality", "quality_ratio", "quality_target", "gate", "gate_pass", "gate_judged", "gate_reason",
 ]
 #: ``compare --metric``: the per-repeat value (a column of :class:`Summary`) that ranks training.
-METRICS = {"epoch-time": "steady_s", "time-to-accuracy": "tta_s"}
+METRICS = {"epoch-time": "steady_s", "time-to-accuracy": "tta_s", "compile-time": "compile_s",
+           "first-result": "first_result_s"}
+#: What ranks the inference table under each metric (the steady pass time unless named here).
+INFER_METRICS = {"compile-time": "infer_compile_s", "first-result": "infer_first_result_s"}
+#: How the verdicts name each metric's training value.
+METRIC_NAMES = {"epoch-time": "training", "time-to-accuracy": "time to accuracy", "compile-time": "compile time",
+                "first-result": "time to first result"}
 TTA = "time-to-accuracy"
+#: The first dispatch's columns (``timing.FirstDispatch``), per repeat: (column, per-repeat name) of each phase.
+FIRST_DISPATCH = {"train_epoch": (("compile_s", "compile_s"), ("first_result_s", "first_result_s")),
+                  "inference": (("compile_s", "infer_compile_s"), ("first_result_s", "infer_first_result_s"))}
 
 
 
@@ -131,8 +143,10 @@ def per_repeat(df: pd.DataFrame, skip_busy: bool = False) -> pd.DataFrame:
     tta = df.groupby("_repeat")["time_to_accuracy_s"].max().rename("tta_s")
     ett = df.groupby("_repeat")["epochs_to_target"].max().rename("epochs_to_target")
     status = repeat_status(df, "_repeat")
+    dispatch = [df.loc[phase == p].assign(**{c: _column(df, c)}).groupby("_repeat")[c].max().rename(name)
+                for p, cols in FIRST_DISPATCH.items() for c, name in cols]
     out = pd.concat([status, first, steady, last, infer_first.rename("infer_first_s"), infer, tta, ett,
-                     repeat_shares(df)],
+                     repeat_shares(df), *dispatch],
                     axis=1)
     out = out.reindex(range(repeats.ngroups))
     out.index = repeats.size().index
@@ -269,7 +283,8 @@ def summarize(df: pd.DataFrame, skip_busy: bool = False) -> Summary:
     timed = reps[reps["timed"]]
     level = list(range(len(GROUP_KEYS)))
     by_group = timed.groupby(level=level, sort=False)
-    med = by_group[["first_s", "steady_s", "val_accuracy", "infer_first_s", "infer_s"]].median()
+    med = by_group[["first_s", "steady_s", "val_accuracy", "infer_first_s", "infer_s",
+                    *(name for cols in FIRST_DISPATCH.values() for _, name in cols)]].median()
     med.index.names = GROUP_KEYS
     groups = groups.join(med)
     groups["timed_from"] = by_group["status"].agg(

@@ -13,7 +13,7 @@ from . import quality, scaling
 from . import tables_generation as generations
 from .experiments import CONTEXT_KEYS, context_name
 from .stats import CI_LABEL, ESTIMATOR, MIN_REPEATS, RANGE_LABEL, WIDE_SPAN, Ratio
-from .summary import METRICS, TTA
+from .summary import INFER_METRICS, METRIC_NAMES, METRICS, TTA
 
 
 def short_message(message: str, width: int = 160) -> str:
@@ -130,6 +130,11 @@ def convention(baseline: str = "baseline", metric: str = "epoch-time") -> str:
         text += ("\nTraining is ranked on time to accuracy: the training seconds (epoch times summed, first "
                  "epoch included) until the validation accuracy first reached the workload's "
                  "target_accuracy; a repeat that never reached it has no time and is counted apart.")
+    elif metric in INFER_METRICS:
+        what = ("compile time (compile s: the first epoch or pass less a steady one, the same steps: tracing, "
+                "compilation, autotuning, first touches)" if metric == "compile-time" else
+                "time to first result (1st result s: the worker process's start to the end of its first step)")
+        text += f"\nRanked on {what}, in training and in inference."
     else:
         text += "\nTraining is ranked on the steady epoch time (median of the epochs after the first)."
     return text
@@ -141,6 +146,18 @@ def _shows_mfu(frame: pd.DataFrame, prefix: str) -> bool:
     return bool(frame[col].notna().any())
 
 
+def _dispatch_columns(frame: pd.DataFrame, prefix: str) -> list[tuple[str, str]]:
+    """(header, column) of the first dispatch's figures that some group of ``frame`` has (files
+    before schema 12 have none): ``compile s`` and ``1st result s`` (median over timed repeats)."""
+    return [(head, f"{prefix}{col}") for head, col in (("compile s", "compile_s"), ("1st result s", "first_result_s"))
+            if frame[f"{prefix}{col}"].notna().any()]
+
+
+def _shows_sheet(frame: pd.DataFrame) -> bool:
+    """Whether any group has a datasheet peak (``--peak-tflops``): then an "MFU sheet" column too."""
+    return bool(frame["peak_datasheet"].astype(bool).any())
+
+
 def _train_rows(frame: pd.DataFrame, metric: str = "epoch-time") -> tuple[list[str], list[list[str]]]:
     base = frame["baseline"].iloc[0] or "baseline"
     mfu = _shows_mfu(frame, "train")
@@ -148,13 +165,19 @@ def _train_rows(frame: pd.DataFrame, metric: str = "epoch-time") -> tuple[list[s
     ci_head, mixed = _interval_head(frame, "tta" if tta else "steady")
     head = ["", "backend", "status", "repeats"]
     head += ["time to acc s", ci_head, "steady s"] if tta else ["1st epoch s", "steady s", ci_head]
-    head += ["samples/s"] + (["MFU"] if mfu else []) + ["val acc", "parity err", f"vs {base}"]
+    sheet = mfu and _shows_sheet(frame)
+    dispatch = _dispatch_columns(frame, "")
+    head += [h for h, _ in dispatch]
+    head += ["samples/s"] + (["MFU"] if mfu else []) + (["MFU sheet"] if sheet else [])
+    head += ["val acc", "parity err", f"vs {base}"]
     rows = []
     for _, r in frame.iterrows():
         row = ["*" if r.fastest_train else "", r.label, r.status, repeats_cell(r, tta)]
         row += ([_num(r.tta_s), _interval(r, "tta", mixed), _num(r.steady_s)] if tta else
                 [_num(r.first_s), _num(r.steady_s), _interval(r, "steady", mixed)])
-        row += [_num(r.samples_per_s, ",.0f")] + ([_pct(r.mfu)] if mfu else [])
+        row += [_num(getattr(r, col)) for _, col in dispatch]
+        row += [_num(r.samples_per_s, ",.0f")] + ([_pct(r.mfu)] if mfu else []) + ([_pct(r.mfu_datasheet)] if sheet
+                                                                                     else [])
         row += [_num(r.val_accuracy, ".4f"), _num(r.parity_max_abs, ".1e"), vs_cell(r, "train")]
         rows.append(row)
     return head, rows
@@ -175,39 +198,53 @@ def _infer_rows(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     ci_head, mixed = _interval_head(frame, "infer")
     mfu = _shows_mfu(frame, "infer")
     head = ["", "backend", "status", "repeats", "1st pass s", "median s", "spread", ci_head]
-    head += (["MFU"] if mfu else []) + [f"vs {base}"]
+    sheet = mfu and _shows_sheet(frame)
+    dispatch = _dispatch_columns(frame, "infer_")
+    head += [h for h, _ in dispatch] + (["MFU"] if mfu else []) + (["MFU sheet"] if sheet else []) + [f"vs {base}"]
     rows = [["*" if r.fastest_infer else "", r.label, r.status, repeats_cell(r), _num(r.infer_first_s),
              _num(r.infer_s), _spread(r.infer_spread), _interval(r, "infer", mixed)]
-            + ([_pct(r.infer_mfu)] if mfu else []) + [vs_cell(r, "infer")]
+            + [_num(getattr(r, col)) for _, col in dispatch]
+            + ([_pct(r.infer_mfu)] if mfu else []) + ([_pct(r.infer_mfu_datasheet)] if sheet else [])
+            + [vs_cell(r, "infer")]
             for _, r in frame.iterrows()]
     return head, rows
 
 
 def mfu_line(frame: pd.DataFrame) -> str:
-    """What MFU is measured against in one section, said once: one peak, each group's own when
-    they differ, and the groups with no known peak (their MFU is n/a)."""
+    """What MFU is measured against in one section, said once: one peak per device and precision
+    (the best GEMM probe taken there, whichever framework took it: ``rates.one_peak``), each named
+    with the groups it divides, the datasheet's where ``--peak-tflops`` gave one, and the groups with
+    no known peak (their MFU is n/a)."""
     measured = frame[frame["achieved_flops"].notna() | frame["infer_achieved_flops"].notna()]
     if measured.empty:
         return ""
-    peaks = {name: p for name, p in zip(measured["label"], measured["peak"]) if p}
+    peaks: dict[str, list[str]] = {}
+    for name, p in zip(measured["label"], measured["peak"]):
+        if p:
+            peaks.setdefault(p, []).append(name)
     missing = [name for name, p in zip(measured["label"], measured["peak"]) if not p]
     parts = []
-    if len(set(peaks.values())) == 1:
-        parts.append(f"MFU = achieved FLOP/s / a peak of {next(iter(peaks.values()))}")
+    if len(peaks) == 1:
+        parts.append(f"MFU = achieved FLOP/s / a peak of {next(iter(peaks))}")
     elif peaks:
-        parts.append("MFU = achieved FLOP/s / each backend's own peak (they differ): "
-                     + "; ".join(f"{name} {peak}" for name, peak in peaks.items()))
+        parts.append("MFU = achieved FLOP/s / the peak of its device and precision (the best GEMM probe taken there, "
+                     "whichever framework took it): " + "; ".join(f"{p} for {', '.join(names)}"
+                                                                   for p, names in peaks.items()))
+    sheets = sorted({p for p in measured["peak_datasheet"] if p})
+    if sheets:
+        parts.append(f"MFU sheet = achieved FLOP/s / {', '.join(sheets)}")
     if missing:
         parts.append(f"MFU n/a for {', '.join(missing)}: no peak known (give --peak-tflops)")
-    if peaks:
+    if peaks or sheets:
         parts.append(f"a training sample counts {TRAIN_FLOPS_FACTOR}x its forward FLOPs")
     return "; ".join(parts)
 
 
 def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None) -> str:
     parts, notes = generations.fastest(generations.in_context(generation, frame))
-    train_what = "time to accuracy" if metric == TTA else "training"
-    for prefix, col, what in (("train", METRICS[metric], train_what), ("infer", "infer_s", "inference")):
+    infer_what = "inference" if metric not in INFER_METRICS else f"inference {METRIC_NAMES[metric]}"
+    for prefix, col, what in (("train", METRICS[metric], METRIC_NAMES[metric]),
+                              ("infer", INFER_METRICS.get(metric, "infer_s"), infer_what)):
         timed = frame[frame[col].notna()]
         if timed.empty:
             continue

@@ -39,7 +39,9 @@ DRIVER_ENV = "BENCHBACKEND_DRIVER_PID"
 #: ``run`` warns before it starts when other processes hold more than this share of the cores.
 BUSY_BEFORE = 0.25
 #: The columns of a cell's start (the ``info`` message) and of each timed region (its row).
-CELL_COLUMNS = ("load_avg", "cpu_mhz", "gpu_other_procs", "gpu_clock_mhz")
+CELL_COLUMNS = ("load_avg", "cpu_mhz", "gpu_other_procs", "gpu_clock_mhz", "cpu_bf16")
+#: The ``/proc/cpuinfo`` flags of bf16 arithmetic: AVX-512 BF16, AMX's bf16 tiles, Arm's BF16 (``Features``).
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 REGION_COLUMNS = ("foreign_cpu_share", "throttle_events")
 _PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -248,9 +250,29 @@ def gpu_readings(index: int = 0) -> dict[str, Optional[float]]:
     return out
 
 
+def cpu_flags() -> Optional[frozenset[str]]:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``) from ``/proc/cpuinfo``; None where unreadable."""
+    with contextlib.suppress(OSError), open(_PROC / "cpuinfo") as fh:
+        for line in fh:
+            name, _, value = line.partition(":")
+            if name.strip() in ("flags", "Features"):
+                return frozenset(value.split())
+    return None
+
+
+def native_bf16() -> Optional[bool]:
+    """Whether the CPU has bf16 arithmetic (``BF16_FLAGS``); False: a framework's bf16 is emulated
+    there (converted to fp32 and back), often several times slower than fp32. None where unknown."""
+    flags = cpu_flags()
+    return None if flags is None else bool(flags & BF16_FLAGS)
+
+
 def cell_readings(device: str) -> dict[str, Optional[float]]:
-    """What the machine is like as a cell starts: load average, clock, throttling, the GPU's state."""
+    """What the machine is like as a cell starts: load average, clock, throttling, the GPU's state,
+    and on a CPU cell whether the CPU has bf16 instructions (``cpu_bf16``)."""
     out: dict[str, Optional[float]] = {"load_avg": load_avg(), "cpu_mhz": cpu_mhz()}
+    if device == "cpu":
+        out["cpu_bf16"] = native_bf16()
     if device.startswith(("gpu", "cuda")):
         index = device.partition(":")[2]
         out.update(gpu_readings(int(index) if index.isdigit() else 0))

@@ -8,14 +8,19 @@ MFU must compare across backends, so its denominator is not each framework's own
 It is the best probe taken on the device, in the precision, with the threads: one cache entry per
 (host, device model, device, precision, threads) holds every probe taken there, one per prober (a
 backend's own framework, or NumPy's for a CPU cell of a backend without one), and the cell's
-peak is the best of them. The datasheet figure given with ``--peak-tflops`` replaces it. A run
-whose backends probe for the first time can still see the best rise between its cells, so
-``compare``, the report and the plots recompute MFU against the best peak the file holds per
-device and precision (``analysis.rates.one_peak``).
+peak is the best of them. The datasheet figure given with ``--peak-tflops`` is a second
+denominator (``mfu_datasheet``), never a replacement. A run whose backends probe for the first
+time can still see the best rise between its cells, so the file's final rewrite
+(``results.finalize``) gives every timed row the best peak the file holds per device and
+precision, as ``compare``, the report and the plots do (``analysis.rates.one_peak``): one rule,
+``results.best_peaks`` and ``results.mfu_values``.
 
 A probe taken while something else loaded the machine reads low, and every MFU computed from it
-reads high. So an entry that a run shows to be too low (a timed row above 100% MFU) is dropped
-(:func:`forget`), and the next run probes again; a new probe never lowers a stored one.
+reads high (so does a framework's probe that takes a slow path: torch's bf16 GEMM on a CPU without
+bf16 instructions read 1.33 GFLOP/s where TensorFlow's read 56.5). An MFU above 1 is never
+written: the row's is left out and ``mfu_missing`` says why, and the entry is dropped
+(:func:`forget`), so that the next cell on the device probes again; a new probe never lowers a
+stored one.
 The file is ``paths.cache_dir() / "peaks.json"``: deleting it re-measures everything.
 """
 from __future__ import annotations
@@ -146,19 +151,18 @@ def numpy_gemm_peak(precision: str) -> Optional[float]:
     return gemm_rate(make, cpu=True)
 
 
-def utilization(phase: Optional[str], samples_per_s: Optional[float], flops_per_sample: int,
-                peak: Optional[float]) -> dict[str, Optional[float]]:
-    """``achieved_flops`` and ``mfu`` (achieved over ``peak``; None without one) of a timed row:
-    a ``train_epoch`` or ``inference`` row with a throughput; ``{}`` for any other row."""
+def achieved(phase: Optional[str], samples_per_s: Optional[float], flops_per_sample: int) -> Optional[float]:
+    """The FLOP/s a timed row achieved (a ``train_epoch`` or ``inference`` row with a throughput;
+    None for any other): its MFU is ``results.mfu_values``'."""
     if phase not in ("train_epoch", "inference") or not samples_per_s:
-        return {}
+        return None
     passes = results.TRAIN_FLOPS_FACTOR if phase == "train_epoch" else 1
-    achieved = passes * flops_per_sample * samples_per_s
-    return {"achieved_flops": achieved, "mfu": achieved / peak if peak else None}
+    return passes * flops_per_sample * samples_per_s
 
 
 def too_low(mfu: float, source: str, dropped: bool) -> str:
-    """What a row above 100% MFU says: the peak it was measured against is wrong (a probe taken
-    under load, a low ``--peak-tflops``), and whether the cached probe was dropped."""
-    return (f"MFU {mfu:.0%} is above 100%: the peak ({source}) is too low"
-            + ("; the cached probe is dropped, the next run probes again" if dropped else ""))
+    """What the run says of a row above 100% MFU: the probe it was measured against is wrong (taken
+    under load, a framework's slow path for the precision), and whether the cached probe was dropped,
+    so that the next cell on the device probes again (the file's final rewrite divides by the best)."""
+    return (f"MFU {mfu:.0%} is above 100%: the peak ({source}) is too low; the row's MFU is left out"
+            + ("; the cached probe is dropped, the next cell on this device probes again" if dropped else ""))

@@ -286,6 +286,7 @@ class Runner:
                 "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed,
                 "replicas": c.replicas, "threads": self._options(c).threads, "scale_lr": self.plan.options.scale_lr,
                 "scaling": self.plan.options.scaling if c.replicas > 1 else "strong",
+                "peak_datasheet_flops": self.plan.options.peak_tflops * 1e12 if self.plan.options.peak_tflops else None,
                 **_quality(w)}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device, generates=self.plan.generate), base)
         if attempt == 1:
@@ -298,10 +299,13 @@ class Runner:
         cell = state.result.cell
         if row.get("losses") is not None:
             row = checks.trajectory(row, cell.workload, cell.choice.precision)
-        row.update(peaks.utilization(row.get("phase"), row.get("samples_per_s"), state.base["flops_per_sample"],
-                                     state.base.get("peak_flops")))
-        if (row.get("mfu") or 0) > 1:
-            row["notes"] = "; ".join(n for n in (row.get("notes"), self._peak_too_low(state, row["mfu"])) if n)
+        done = peaks.achieved(row.get("phase"), row.get("samples_per_s"), state.base["flops_per_sample"])
+        if done is not None:
+            b = state.base
+            row.update(achieved_flops=done, **results.mfu_values(done, b.get("peak_flops"), b.get("peak_source", ""),
+                                                                 cell.choice.precision, b.get("peak_datasheet_flops")))
+            if b.get("peak_flops") and done > b["peak_flops"]:
+                self._peak_too_low(state, done / b["peak_flops"])
         if cell.workload.next_token and row.get("samples_per_s"):  # a sequence is `context` tokens
             row["tokens_per_s"] = row["samples_per_s"] * cell.workload.input_shape[0]
         full = {**state.base, **row, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -318,15 +322,14 @@ class Runner:
         if line:
             self.display.note(f"{progress.tag(cell)} {line}")
 
-    def _peak_too_low(self, state: _Open, mfu: float) -> str:
-        """A row above 100% MFU: say so, and drop the cached probe so that the next run measures again."""
-        first = state.peak_dropped is None
-        if first:
-            state.peak_dropped = bool(state.peak_key) and peaks.forget(state.peak_key)
-        why = peaks.too_low(mfu, str(state.base.get("peak_source")), bool(state.peak_dropped))
-        if first:  # once per cell on the terminal; every such row says it in the CSV
-            self.display.note(f"{progress.tag(state.result.cell)} {why}")
-        return why
+    def _peak_too_low(self, state: _Open, mfu: float) -> None:
+        """A row above 100% MFU (its own left out: ``mfu_missing``): say so once per cell, and drop
+        the cached probe so that the next cell on the device measures again."""
+        if state.peak_dropped is not None:
+            return
+        state.peak_dropped = bool(state.peak_key) and peaks.forget(state.peak_key)
+        self.display.note(f"{progress.tag(state.result.cell)} "
+                          f"{peaks.too_low(mfu, str(state.base.get('peak_source')), state.peak_dropped)}")
 
     def _end(self, state: _Open, outcome: Outcome) -> None:
         """The cell has ended: decide its status and append its ``run`` row, which carries it. An

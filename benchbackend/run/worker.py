@@ -27,6 +27,9 @@ backend trains) timed epochs, each followed by an untimed validation pass, and t
 passes; or, with ``--generate``, instead of training and inference, the generation passes
 (``run/generation.py``). Every timed region ends with the result materialized on the host and the device synced,
 by this module, not the adapter. A NaN/inf training loss stops training (the rows are kept).
+
+Over 400 lines: a cell's whole order, build to the last pass, reads top to bottom in this one
+module (the clock, the sync and what the first dispatch cost are ``timing``'s).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -60,8 +64,11 @@ class Repeat:
     """One repeat of one (workload, backend, mode, precision) inside this process."""
 
     def __init__(self, backend: Any, workload: Any, arrays: dict[str, np.ndarray], emit: Emit,
-                 cores: Optional[float] = None):
+                 cores: Optional[float] = None, started: Optional[float] = None):
+        from .timing import FirstDispatch
+
         self.backend, self.workload, self.arrays, self.emit = backend, workload, arrays, emit
+        self.dispatch = FirstDispatch(started)  # compile_s and first_result_s, from the first two epochs (passes)
         self.device_arrays: dict[str, Any] = {}
         #: The cores the cell runs on (its threads x replicas), and what other processes did to them
         #: during the last timed region (``machine``): the columns every timed row carries.
@@ -168,8 +175,10 @@ def _parity(cell: Repeat, weights: list[np.ndarray], steps: int, base: dict[str,
                "reference_losses": [float(v) for v in ref_losses]})
 
 
-def run_job(job: Job, emit: Emit) -> None:
-    """Run one cell and stream its messages through ``emit`` (also usable in-process by tests)."""
+def run_job(job: Job, emit: Emit, started: Optional[float] = None) -> None:
+    """Run one cell and stream its messages through ``emit`` (also usable in-process by tests);
+    ``started``: the process's start (epoch seconds), else now (``first_result_s`` counts from it)."""
+    started = started or time.time()
     from ..errors import BackendUnavailable
     from ..spec.replicas import scaled
 
@@ -186,12 +195,12 @@ def run_job(job: Job, emit: Emit) -> None:
         backend.close()
         return
     try:
-        _run(job, backend, workload, emit)
+        _run(job, backend, workload, emit, started)
     finally:
         backend.close()  # the replica processes of a data-parallel cell, say
 
 
-def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
+def _run(job: Job, backend: Any, workload: Any, emit: Emit, started: float) -> None:
     from ..errors import BackendUnavailable
     from ..results import canonical_device, environment
     from ..spec.model import initial_weights, param_count
@@ -201,7 +210,8 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
     weights = initial_weights(workload, job.repeat)
     threads = _threads(backend, job)
     device = canonical_device(backend.device_id())
-    cell = Repeat(backend, workload, arrays, emit, cores=(threads or os.cpu_count() or 1) * job.options.replicas)
+    cell = Repeat(backend, workload, arrays, emit, cores=(threads or os.cpu_count() or 1) * job.options.replicas,
+                  started=started)
     base: dict[str, Any] = {"type": "row"}
     on_device = bool(backend.place_data(cell.placed_bytes(job.trains)))
     emit({"type": "info", **environment(), "backend_version": backend.version(), "device": device,
@@ -228,7 +238,9 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
         notes.append(f"data copied per batch inside the clock: {backend.data_note}")
     emit({**base, "phase": "build", "seconds": seconds, "params": params, **_memory(backend), **cell.load,
           "notes": "; ".join(notes)})
+    checking = time.time()  # the harness's own work (probe, parity) is no part of the time to a first result
     peak = _peak(backend, job)
+    cell.dispatch.exclude(time.time() - checking)
     if peak is not None:
         emit({"type": "peak", **peak})
         backend.reset_device_peak()  # the probe's matrices are not the cell's
@@ -237,10 +249,12 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
         emit({**base, "phase": "tune", "seconds": seconds, "notes": summary, **cell.load})
 
     parity_steps = job.parity_steps if job.trains else 0
+    checking = time.time()
     _parity(cell, weights, parity_steps, base, job.trains, job.options.replicas)
     if parity_steps:
         backend.build(weights)  # the trajectory check trained a few steps: start over from the shared weights
         backend.set_data(arrays["x_train"], arrays["y_train"])
+    cell.dispatch.exclude(time.time() - checking)
     if job.generate:  # instead of the inference passes: generation with a key/value cache
         from . import generation
 
@@ -266,7 +280,9 @@ def _infer(cell: Repeat, base: dict[str, Any]) -> None:
     picked = audit_indices(len(labels), cell.workload.seed)
     untimed = cell.forward(cell.arrays["x_test"][picked]) if len(picked) else None
     tol = cell.workload.checks.tolerance(cell.backend.precision)
+    batches = -(-len(labels) // cell.workload.inference.batch_size)
     for i in range(1, cell.workload.inference.repeats + 1):
+        began = time.time()
         scores, seconds = cell.predict()
         scores = np.asarray(scores)
         found = audit(scores[picked], untimed, tol.rtol, tol.atol) if untimed is not None else None
@@ -277,7 +293,8 @@ def _infer(cell: Repeat, base: dict[str, Any]) -> None:
                                                       f"from an untimed pass of the audited samples")
         cell.emit({**base, "phase": "inference", "pass": i, "samples": len(labels), "seconds": seconds,
                    "samples_per_s": len(labels) / seconds if seconds > 0 else None,
-                   "accuracy": accuracy(scores, labels), **checked, **_memory(cell.backend), **cell.load})
+                   "accuracy": accuracy(scores, labels), **checked, **_memory(cell.backend), **cell.load,
+                   **cell.dispatch.see("inference", i, began, seconds, batches)})
 
 
 def _train(cell: Repeat, base: dict[str, Any]) -> bool:
@@ -290,6 +307,7 @@ def _train(cell: Repeat, base: dict[str, Any]) -> bool:
     backend.comm_seconds()  # the trajectory check's steps communicated too: not an epoch's
     for epoch, order in enumerate(arrays["orders"][: workload.training.epochs], start=1):
         backend.barrier()  # replicas that each run the whole cell line up outside the clock
+        began = time.time()
         (loss, acc), seconds = cell.region(lambda: backend.train_epoch(order))
         load = cell.load  # the epoch's, before validation (untimed) runs
         comm = backend.comm_seconds()
@@ -299,7 +317,8 @@ def _train(cell: Repeat, base: dict[str, Any]) -> bool:
         cell.emit({**base, "phase": "train_epoch", "epoch": epoch, "samples": n_train, "seconds": seconds,
                    "samples_per_s": n_train / seconds if seconds > 0 else None, "loss": loss, "accuracy": acc,
                    "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": n_val, "steps": steps,
-                   "comm_s": comm, **_memory(backend), **load})
+                   "comm_s": comm, **_memory(backend), **load,
+                   **cell.dispatch.see("train", epoch, began, seconds, steps)})
         if not finite:
             return False
     return True
@@ -315,12 +334,11 @@ def _memory(backend: Any) -> dict[str, Optional[float]]:
 
 
 def _peak(backend: Any, job: Job) -> Optional[dict[str, Any]]:
-    """The peak for MFU: ``--peak-tflops``, else the best GEMM probe taken on this device in this
-    precision with these threads (:mod:`benchbackend.run.peaks`). A backend whose registry entry
-    declares a probe adds its own framework's once; a CPU cell of one without adds NumPy's. None
-    when no probe exists for the device (a GPU runtime without its own, before any other probed)."""
-    if job.options.peak_tflops:
-        return {"flops": float(job.options.peak_tflops) * 1e12, "source": "--peak-tflops"}
+    """The peak for MFU: the best GEMM probe taken on this device in this precision with these
+    threads (:mod:`benchbackend.run.peaks`; ``--peak-tflops`` is a second denominator, the runner's).
+    A backend whose registry entry declares a probe adds its own framework's once; a CPU cell of one
+    without adds NumPy's. None when no probe exists for the device (a GPU runtime without its own,
+    before any other probed)."""
     from ..results import canonical_device, environment
     from . import peaks
 
@@ -381,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["--probe"]:  # argv[1]: "module:Class"
             emit(_probe(argv[1]))
             return 0
-        run_job(Job.from_json(sys.stdin.read()), emit)
+        from .timing import process_start
+
+        run_job(Job.from_json(sys.stdin.read()), emit, process_start())
         emit({"type": "done"})
         return 0
     except Exception as exc:  # the parent turns this into a `crashed` row with the traceback tail

@@ -13,6 +13,8 @@ in ``sync`` or in ``to_host``, for exact tests of what a timed region includes (
 ``PlacingDevice``: copies to the device queued with the work, for tests of where the one-off copy
 of the run's arrays is timed (the ``build`` row, never an epoch or a pass).
 
+``CompilingDevice``: ``SyncDevice`` whose first step at each shape compiles (``compile_s``).
+
 ``LowPeakNumpyBackend``: a GEMM probe that reads far too low. ``CpuZeroNumpyBackend``: the host CPU
 named as TensorFlow names it.
 """
@@ -186,6 +188,37 @@ class PlacingDevice(NumpyBackend):
     def to_host(self, value: Any) -> Any:
         CLOCK.wait_until(self.busy_until)
         return super().to_host(value)
+
+
+#: Virtual seconds a ``CompilingDevice`` spends compiling a step the first time it meets its shape.
+COMPILE_SECONDS = 2.0
+
+
+class CompilingDevice(SyncDevice):
+    """``SyncDevice`` with a shape-specialized JIT: the first training step, and the first forward
+    at each batch size, cost ``COMPILE_SECONDS`` more (the parity and validation passes run at
+    another batch size than the timed inference passes, as in the worker)."""
+
+    name = "compiling"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.compiled: set[Any] = set()
+
+    def _compile(self, shape: Any) -> None:
+        if shape not in self.compiled:
+            self.compiled.add(shape)
+            self.busy_until += COMPILE_SECONDS
+
+    def scores(self, x: Any, batch_size: int) -> Any:
+        out = super().scores(x, batch_size)
+        self._compile(("forward", batch_size))
+        return out
+
+    def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
+        out = super().train_epoch(order)
+        self._compile("train")
+        return out
 
 
 class CpuZeroNumpyBackend(NumpyBackend):
