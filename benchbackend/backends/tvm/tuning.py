@@ -23,29 +23,27 @@ place at the end, so an interrupted search never leaves a folder a later run wou
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
-import inspect
 import json
-import linecache
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import tvm
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.s_tir import meta_schedule as ms
 
-from .schedule import CPUDefault
+from .schedule import CPUDefault, schedule_loops
 
 #: The fewest trials worth a task's search: below it, its share goes to the heavier tasks.
 MIN_TRIALS = 4
+#: Measured trials (over all tasks) before the XGBoost cost model's predictions replace random ones.
+WARMUP_SAMPLES = 16
 #: Repeats of each side-by-side measurement (each one of the runner's timed loops, >= 100 ms).
 DUEL_REPEATS = 3
 #: Chosen schedule per task, as summary.json and the row's notes write it.
@@ -130,9 +128,10 @@ def search(tasks: Sequence[Any], trials: Sequence[int], work_dir: Path, threads:
            database: Any) -> list[int]:
     """MetaSchedule's evolutionary search of each task with its own budget, into ``database``; the
     trials measured per task."""
-    with _cheap_stack():  # MetaSchedule's schedule rules import the intrinsics on first use
-        importlib.import_module("tvm.s_tir.tensor_intrin")
-    cost_model = ms.cost_model.CostModel.create("xgb" if _has_xgboost() else "random", num_tuning_cores=threads)
+    # XGBoost's model predicts at random until it holds num_warmup_samples (100 by default): at
+    # these budgets it never would, and its training (~12 s a round here) bought nothing.
+    cost_model = (ms.cost_model.XGBModel(num_tuning_cores=threads, num_warmup_samples=WARMUP_SAMPLES)
+                  if _has_xgboost() else ms.cost_model.RandomModel())
     builder = ms.builder.LocalBuilder(max_workers=threads, f_build=build_trial)
     runner = ms.runner.LocalRunner()
     measured = [0] * len(tasks)
@@ -141,14 +140,16 @@ def search(tasks: Sequence[Any], trials: Sequence[int], work_dir: Path, threads:
             continue
         # The evolutionary search's population scales with the budget (512 is TVM's default): a
         # population of 512 costs minutes on two cores for a handful of trials.
-        strategy = ms.search_strategy.EvolutionarySearch(population_size=min(512, max(32, 16 * n)))
+        strategy = ms.search_strategy.EvolutionarySearch(population_size=min(512, max(32, 8 * n)))
         (context,), (weight,) = ms.relax_integration.extracted_tasks_to_tune_contexts(
-            [task], work_dir=str(work_dir), strategy=strategy, num_threads=threads, seed=seed + i)
+            [task], work_dir=str(work_dir), space=rule_space(task.target), strategy=strategy, num_threads=threads,
+            seed=seed + i)
         before = len(database)
-        # Rounds of a third of the budget: the cost model learns from each before the next.
+        # Two rounds (of at most 32): the cost model learns from the first before the second; each
+        # round costs a population's evolution and a builder pool's start.
         ms.tune.tune_tasks(tasks=[context], task_weights=[weight], work_dir=str(work_dir), builder=builder,
                            runner=runner, max_trials_global=n, max_trials_per_task=n,
-                           num_trials_per_iter=min(64, max(MIN_TRIALS, -(-n // 3))), database=database,
+                           num_trials_per_iter=min(32, max(MIN_TRIALS, -(-n // 2))), database=database,
                            cost_model=cost_model)
         measured[i] = len(database) - before  # its records: the tasks are searched one at a time
     return measured
@@ -226,6 +227,21 @@ def chosen_database(folder: Path) -> Any:
                                     allow_missing=False)
 
 
+def rule_space(target: tvm.target.Target) -> Any:
+    """The search space: the default rule with its register tile's sizes left to the search
+    (``schedule.schedule_loops(tunable=True)``), varied by MetaSchedule's tile-size mutator.
+
+    MetaSchedule's own CPU space (multi-level tiling, inlining, parallel/vectorize/unroll rules)
+    lost to the rule on every task at 16 and 64 trials on cifar10 (docs/tvm.md): its random start
+    needs thousands of trials to reach a schedule the rule writes directly.
+    """
+    def space(sch: Any) -> None:
+        schedule_loops(sch, target, tunable=True)
+
+    return ms.space_generator.ScheduleFn(space, sch_rules=[], postprocs=[],
+                                         mutator_probs={ms.mutator.MutateTileSize(): 1.0})
+
+
 def build_trial(mod: tvm.IRModule, target: tvm.target.Target, params: Any) -> Any:
     """MetaSchedule's default trial build, without its ``import tvm.s_tir.tensor_intrin``.
 
@@ -237,39 +253,6 @@ def build_trial(mod: tvm.IRModule, target: tvm.target.Target, params: Any) -> An
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
     return tvm.tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
-
-
-@contextlib.contextmanager
-def _cheap_stack() -> Iterator[None]:
-    """``inspect.stack()`` without its per-frame module search, while TVM's tensor intrinsics import.
-
-    Each of their ~500 ``@T.prim_func`` decorators calls ``inspect.stack()``, whose frame records
-    look up each frame's module over all of ``sys.modules``: 21 s of a tuned cell here (2 s with
-    this). TVMScript reads only the frame, file, line number and the line's text of each record,
-    which are taken straight from the frame and ``linecache`` here.
-    """
-    real = inspect.stack
-
-    def stack(context: int = 1) -> list[inspect.FrameInfo]:
-        frame, out = sys._getframe(1), []
-        while frame is not None:
-            code = frame.f_code
-            line = linecache.getline(code.co_filename, frame.f_lineno) if context else ""
-            lines, index = ([line], 0) if line else (None, None)
-            try:
-                info = inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, lines, index,
-                                         positions=None)
-            except TypeError:  # Python < 3.11: no positions
-                info = inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, lines, index)
-            out.append(info)
-            frame = frame.f_back
-        return out
-
-    inspect.stack = stack
-    try:
-        yield
-    finally:
-        inspect.stack = real
 
 
 def _has_xgboost() -> bool:
