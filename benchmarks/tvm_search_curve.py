@@ -4,10 +4,11 @@ ONNX Runtime, from the CLI's own runs.
 For each budget, one ``benchbackend run WORKLOAD -b tvm -b onnxruntime --mode tvm:default --mode
 tvm:tuned --mode onnxruntime:default --inference-only --tune-trials N`` (interleaved repeats, each in a
 fresh worker), into its own CSV. The first tuned repeat searches (cold), the next ones reuse the
-database (warm: the ``tune`` row's notes say ``reused database``). Prints one line per budget: the
-search's seconds, the tasks searched and the searched schedules kept, whether the later repeats
-reused the database, and the median time per pass of each mode (median of the passes after the
-first, then the median over repeats, as ``run``'s summary).
+database (warm: the ``tune`` row's notes say ``reused database``). Prints one line per budget:
+the search's seconds, the tasks searched and the searched schedules kept, how many tuned repeats
+reused the database (all but the first on a cold cache, all on a warm one), and the median time per
+pass of each mode (median of the passes after the first, then the median over repeats, as ``run``'s
+summary).
 
     python benchmarks/tvm_search_curve.py --workload cifar10 --trials 16 --trials 64 --trials 200
     python benchmarks/tvm_search_curve.py --workload resnet20 --trials 64 --cache /tmp/tvm-cache
@@ -72,14 +73,15 @@ def main() -> None:
         rows = list(csv.DictReader(out.open()))
         times, tunes = per_pass(rows), tune_rows(rows)
         summary = next(cache.glob(f"tvm/{args.workload}-*-t{trials}/summary.json"))
-        per_task = json.loads(summary.read_text())["per_task"]
+        summary = json.loads(summary.read_text())  # the search's own figures, also when this run reused it
+        per_task = summary["per_task"]
         searched = [t for t in per_task if t["trials"]]
         kept = sum(t["chosen"] == "searched" for t in searched)
-        reused = all(r["notes"].startswith("reused database") for r in tunes[1:])
+        reused = sum(r["notes"].startswith("reused database") for r in tunes)
         kept_exe = {m.group(1) for r in tunes for m in [re.search(r"(\w+) executable kept", r["notes"])] if m}
         executable = "; ".join(sorted(kept_exe or {"default (no searched schedule kept)"}))
-        print(f"{trials:>6}  {float(tunes[0]['seconds']):>8.1f}  {f'{kept}/{len(searched)}':>13}  "
-              f"{'yes' if reused else 'NO':>6}  {times['tvm:default']:>9.3f}  {times['tvm:tuned']:>8.3f}  "
+        print(f"{trials:>6}  {summary['seconds']:>8.1f}  {f'{kept}/{len(searched)}':>13}  "
+              f"{f'{reused}/{len(tunes)}':>6}  {times['tvm:default']:>9.3f}  {times['tvm:tuned']:>8.3f}  "
               f"{times['onnxruntime:default']:>13.3f}  {executable}")
         for t in searched:
             d, s = t["duel_default_s"], t["duel_searched_s"]

@@ -347,3 +347,39 @@ def test_the_kept_searched_schedules_are_compiled_and_the_rest_get_the_rule(tmp_
     assert conv.task_name in scripts and len(scripts) > 2
     for name, script in scripts.items():
         assert ("T.parallel" in script) == (name != conv.task_name), name
+
+
+def test_the_searched_register_tiles_give_the_default_rules_results_bit_for_bit() -> None:
+    # The search varies only the register tile's sizes: loops reordered, each output element still
+    # sums its reduction in the same order as the default rule's kernel (and TVM's plain loops).
+    import tvm
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+
+    from benchbackend.backends.tvm import tuning
+    from benchbackend.backends.tvm.adapter import host_target, relax_module
+    from benchbackend.backends.tvm.schedule import schedule_loops
+
+    target, dev = host_target(2), tvm.cpu(0)
+    mod = relax_module(W.load("mnist"), 32)
+    tasks = [t for t in ms.relax_integration.extract_tasks(tuning.fused_module(mod, target), target)
+             if "conv" in t.task_name or "matmul" in t.task_name]
+    assert len(tasks) >= 3
+    rng = np.random.default_rng(0)
+    for task in tasks:
+        args = [np.asarray(rng.standard_normal([int(d) for d in a.shape]), np.float32)
+                for a in ms.arg_info.ArgInfo.from_entry_func(task.dispatched[0])]
+
+        def run(scheduled: tvm.IRModule) -> np.ndarray:
+            tensors = [tvm.runtime.tensor(a, dev) for a in args]
+            tvm.tirx.build(scheduled, target=target)["main"](*tensors)
+            return tensors[-1].numpy()
+
+        expected = run(tuning.default_schedule(task, target))
+        tiles = set()
+        for seed in range(1, 5):
+            sch = s_tir.Schedule(task.dispatched[0], seed=seed)
+            assert schedule_loops(sch, target, tunable=True)
+            tiles.add(str(sch.trace.decisions))
+            np.testing.assert_array_equal(run(sch.mod), expected, err_msg=f"{task.task_name} seed {seed}")
+        assert len(tiles) > 1 or "matmul" in task.task_name, f"{task.task_name}: the tile sizes are not sampled"

@@ -3,8 +3,9 @@
 Modes: ``default`` compiles with TVM's Relax pipeline for the ``llvm`` target (legalize, fuse,
 lower) plus a fixed CPU schedule, parallel and vectorized (``tvm_schedule.py``; TVM's own CPU
 pipeline schedules nothing); no schedule search. ``tuned`` additionally searches schedules with
-MetaSchedule in ``tune()`` (``tuning.py``: trials where the runtime goes, and a searched schedule
-kept only for a kernel where it measured faster than the fixed one), recompiles with the resulting
+MetaSchedule in ``tune()`` (``tuning.py``: the fixed schedule's register-tile sizes searched, trials
+where the runtime goes, and a searched schedule kept only for a kernel where it measured faster than
+the fixed one), recompiles with the resulting
 database (the fixed schedule for every other kernel), and keeps the tuned executable only if it runs
 a batch faster than the default one. The database is cached per workload definition, target and
 trial budget, so a later run reuses it (the ``tune`` row's notes say which).

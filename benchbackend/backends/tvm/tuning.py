@@ -8,7 +8,8 @@ One ``search`` call, per module (``tune``):
 2. **The budget where the time goes.** Trials go to the tasks in proportion to their share (largest
    remainder), a task that would get fewer than ``MIN_TRIALS`` gets none and its share goes to the
    others; each task is then searched with its own budget (``tune_tasks`` on that task alone, one
-   cost model shared across the tasks). MetaSchedule's gradient scheduler cannot do this at small
+   cost model shared across the tasks), in ``rule_space``: the default rule with the sizes of its
+   register tile left to the search. MetaSchedule's gradient scheduler cannot do this at small
    budgets: it first gives every task a round of ``num_trials_per_iter`` (round-robin warm-up), so
    at 16-64 trials over cifar10's 10 tasks, a 1% softmax got as many trials as a 33% convolution,
    and nothing was left for its gradient to spend.
