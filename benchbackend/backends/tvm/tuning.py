@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import tvm
+from tvm import s_tir
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.s_tir import meta_schedule as ms
 
@@ -192,7 +193,9 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, folder: Path, budget: int
     defaults = measure([default_schedule(t, target) for t in tasks], target, threads)
     shares = [s * t.weight for s, t in zip(defaults, tasks)]
     total = sum(s for s in shares if s != float("inf")) or 1.0
-    trials = allocate(shares, budget)
+    # A kernel whose space holds one schedule (no register tile: element-wise, a reshape, a softmax) has
+    # nothing to search: its share goes to the others.
+    trials = allocate([share if tunable(t, target) else 0.0 for t, share in zip(tasks, shares)], budget)
     results = [TaskResult(t.task_name, int(t.weight), s, share / total, n)
                for t, s, share, n in zip(tasks, defaults, shares, trials)]
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -226,6 +229,12 @@ def chosen_database(folder: Path) -> Any:
     """The database ``tune`` wrote into ``folder``: the searched schedules that won."""
     return ms.database.JSONDatabase(str(folder / "workloads.json"), str(folder / "records.json"),
                                     allow_missing=False)
+
+
+def tunable(task: Any, target: tvm.target.Target) -> bool:
+    """Whether ``rule_space`` holds more than one schedule of the task's kernel (any decision)."""
+    sch = s_tir.Schedule(task.dispatched[0])
+    return schedule_loops(sch, target, tunable=True) and bool(sch.trace.decisions)
 
 
 def rule_space(target: tvm.target.Target) -> Any:
