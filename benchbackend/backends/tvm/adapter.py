@@ -1,7 +1,7 @@
 """Apache TVM adapter (inference only): the spec as a Relax graph, compiled for the host CPU.
 
 Modes: ``default`` compiles with TVM's Relax pipeline for the ``llvm`` target (legalize, fuse,
-lower) plus a fixed CPU schedule, parallel and vectorized (``tvm_schedule.py``; TVM's own CPU
+lower) plus a fixed CPU schedule, parallel and vectorized (``schedule.py``; TVM's own CPU
 pipeline schedules nothing); no schedule search. ``tuned`` additionally searches schedules with
 MetaSchedule in ``tune()`` (``tuning.py``: the fixed schedule's register-tile sizes searched, trials
 where the runtime goes, and a searched schedule kept only for a kernel where it measured faster than
