@@ -1,11 +1,13 @@
 """Apache TVM backend (inference only): forward parity in both modes, the default mode's CPU
-schedule (parallel, vectorized, same results as TVM's unscheduled loops), the cached tuning
-database, and a parity check that fails when the kernels are laid out wrongly.
+schedule (parallel, vectorized, same results as TVM's unscheduled loops), the tuned mode's choices,
+the cached tuning database, and a parity check that fails when the kernels are laid out wrongly.
 
 Tuning searches a one-layer network (flatten, dense, softmax: three tasks) with a trial budget of
-three and a per-module cache folder, so the search runs once per session, in a worker: about 20 s
-here (the worker's start, a build, one build and run per trial, the recompile). The mnist CNN's
-seven tasks at eight trials took three minutes of CI.
+two and a per-module cache folder, so the search runs once per session, in a worker. ``tuned`` is
+never slower than ``default`` by construction, and the tests plant what would break that: a search
+that returns scalar kernels it believes take 1 ns (each is measured against the default rule's and
+dropped), and a per-task measurement fooled into keeping them (the tuned executable then runs a batch
+slower than the default one, which stays).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from benchbackend.spec import workload as W
 from conftest import requires, run_cell, spawn_cell
 
 pytestmark = [requires("tvm"), pytest.mark.slow]
-TRIALS = 3  # one measured trial per task of TINY: enough to exercise the search
+TRIALS = 2  # all to the heaviest task of TINY (under MIN_TRIALS): enough to exercise the search
 #: The network the tuning tests search: mnist's data through one dense layer.
 TINY = {"name": "tiny", "seed": 0, "data": {"dataset": "mnist", "train": 256, "validation": 0, "test": 64},
         "model": [{"type": "flatten"}, {"type": "dense", "units": 10, "activation": "softmax"}],
@@ -190,25 +192,43 @@ def test_tuned_mode_searches_writes_the_database_and_matches_the_reference(tuned
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["trials"] == TRIALS and 0 < summary["records"] <= TRIALS
     assert tune["notes"].startswith(f"searched {summary['records']} trials (budget {TRIALS}) over ")
+    assert f"searched schedule kept for {summary['searched']} " in tune["notes"]
     assert tune["seconds"] > 0
-    records = (folder / "records.json").read_text().splitlines()
-    assert len(records) == summary["records"]
+    # The whole budget went to the task with the largest share of the runtime (under MIN_TRIALS).
+    tasks = summary["per_task"]
+    (searched,) = [t for t in tasks if t["trials"]]
+    assert searched["trials"] == TRIALS and searched["share"] == max(t["share"] for t in tasks)
+    assert abs(sum(t["share"] for t in tasks) - 1) < 1e-9
+    assert searched["duel_default_s"] > 0 and searched["duel_searched_s"] > 0
+    assert searched["chosen"] == ("searched" if searched["duel_searched_s"] < searched["duel_default_s"]
+                                  else "default")
+    assert len((folder / "search" / "records.json").read_text().splitlines()) == summary["records"]
+    chosen = (folder / "records.json").read_text().splitlines()
+    assert len(chosen) == summary["searched"], "the database compiled with holds the winners only"
     assert not list((cache / "tvm").glob("*.*")), "no scratch folder is left behind"
 
 
 def test_a_second_tune_reuses_the_database(tuned_rows: list[dict[str, Any]], cache: Path) -> None:
+    from tvm.s_tir import meta_schedule as ms
+
+    from benchbackend.backends.tvm import tuning
     from benchbackend.backends.tvm.adapter import TVMBackend
     from benchbackend.spec.model import initial_weights
 
     (folder,) = (cache / "tvm").iterdir()
-    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     w = _load("tiny").with_overrides(limit=256, epochs=1)
     backend = TVMBackend(w, "cpu", "tuned", options={"tune_trials": TRIALS})
     backend.build(initial_weights(w))
     assert backend.database_dir(TRIALS) == folder
-    summary = backend.tune()
+
+    def no_trial(*_: Any, **__: Any) -> None:
+        raise AssertionError("a reused database runs no trial")
+
+    with mock.patch.object(tuning, "search", no_trial), mock.patch.object(ms.tune, "tune_tasks", no_trial):
+        summary = backend.tune()
     assert summary is not None and summary.startswith(f"reused database {folder}")
-    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
     # Another budget is another database.
     assert backend.database_dir(TRIALS * 2) != folder
     # --limit and --epochs change nothing the kernels see: the same database; another batch is another.
@@ -218,30 +238,152 @@ def test_a_second_tune_reuses_the_database(tuned_rows: list[dict[str, Any]], cac
     assert other_batch.database_dir(TRIALS) != folder
 
 
-def test_tuned_kernels_keep_their_searched_schedule_and_the_rest_get_the_rule(tuned_rows: list[dict[str, Any]],
-                                                                            cache: Path) -> None:
+def test_trials_go_where_the_time_goes() -> None:
+    from benchbackend.backends.tvm.tuning import MIN_TRIALS, allocate
+
+    assert allocate([3.0, 1.0, 0.0], 40) == [30, 10, 0]
+    assert MIN_TRIALS == 4
+    assert allocate([0.5, 0.3, 0.15, 0.05], 64) == [34, 20, 10, 0]
+    # A share worth fewer than MIN_TRIALS trials gets none, and the others share the budget.
+    assert allocate([0.6, 0.39, 0.01], 20, minimum=4) == [12, 8, 0]
+    assert allocate([0.2, 0.5, 0.3], 3, minimum=4) == [0, 3, 0], "under the minimum: all to the largest share"
+    for budget in (4, 16, 64, 200):
+        assert sum(allocate([0.33, 0.32, 0.16, 0.12, 0.05, 0.01, 0.01], budget)) == budget
+    assert allocate([float("inf"), 1.0], 8) == [0, 8], "a kernel that failed to measure is not searched"
+
+
+def _plant_unscheduled(tasks: Any, trials: Any, _work_dir: Path, _threads: int, _seed: int, database: Any) -> list[int]:
+    """A "search" that found each task's kernel unscheduled (scalar loops, one thread) and believed it
+    the fastest of all (1 ns): a searched schedule slower than the default rule's."""
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+
+    for task, n in zip(tasks, trials):
+        if n:
+            mod = task.dispatched[0]
+            sch = s_tir.Schedule(mod)
+            sch.get_child_blocks(sch.get_sblock("root"))  # a database keeps no record of an empty trace
+            database.commit_tuning_record(ms.database.TuningRecord(
+                sch.trace, database.commit_workload(mod), [1e-9], task.target,
+                ms.arg_info.ArgInfo.from_entry_func(mod)))
+    return [1 if n else 0 for n in trials]
+
+
+@pytest.fixture
+def mnist_tuned(tmp_path: Path) -> Iterator[Any]:
+    """mnist's tuned backend, built, under a fresh cache (each test plants its own search)."""
+    from benchbackend.backends.tvm.adapter import TVMBackend
+    from benchbackend.spec.model import initial_weights
+
+    w = W.load("mnist").with_overrides(limit=256)
+    with mock.patch.dict(os.environ, {"BENCHBACKEND_CACHE": str(tmp_path)}):
+        backend = TVMBackend(w, "cpu", "tuned", options={"tune_trials": 8, "threads": 2})
+        backend.build(initial_weights(w))
+        yield backend
+
+
+def test_a_searched_schedule_slower_than_the_default_is_not_kept(mnist_tuned: Any) -> None:
+    # The search's own record says 1 ns; measured side by side with the default rule's schedule,
+    # the scalar kernel loses, and the database compiled with holds nothing for it.
+    from benchbackend.backends.tvm import tuning
+
+    default_vm = mnist_tuned._vm
+    with mock.patch.object(tuning, "search", _plant_unscheduled):
+        notes = mnist_tuned.tune()
+    folder = mnist_tuned.database_dir(8)
+    summary = json.loads((folder / "summary.json").read_text())
+    planted = [t for t in summary["per_task"] if t["trials"]]
+    assert planted, summary
+    for t in planted:
+        assert t["duel_searched_s"] > t["duel_default_s"] and t["chosen"] == "default", t
+    assert summary["searched"] == 0 and (folder / "records.json").read_text().strip() == ""
+    assert notes.endswith("every kernel keeps the default schedule, as tvm:default"), notes
+    assert mnist_tuned._vm is default_vm
+
+
+def test_a_tuned_module_slower_than_the_default_is_not_kept(mnist_tuned: Any) -> None:
+    # Past the per-task choice (here fooled: the measurement says the planted scalar kernels win),
+    # the tuned executable is compiled with them, runs a batch slower than the default one, and the
+    # default executable stays.
+    from benchbackend.backends.tvm import tuning
+
+    real = tuning.measure
+
+    def searched_wins(mods: Any, target: Any, threads: int, repeats: int = 1) -> list[float]:
+        secs = real(mods, target, threads, repeats)
+        if repeats == 1:  # the shares, before the search
+            return secs
+        return [1.0 if k % 2 == 0 else 0.5 for k in range(len(mods))]  # (default, searched) pairs
+
+    default_vm = mnist_tuned._vm
+    with mock.patch.object(tuning, "search", _plant_unscheduled), mock.patch.object(tuning, "measure", searched_wins):
+        notes = mnist_tuned.tune()
+    summary = json.loads((mnist_tuned.database_dir(8) / "summary.json").read_text())
+    assert summary["searched"] > 0 and f"kept for {summary['searched']} " in notes
+    assert notes.endswith("default executable kept"), notes
+    assert mnist_tuned._vm is default_vm
+
+
+def test_the_kept_searched_schedules_are_compiled_and_the_rest_get_the_rule(tmp_path: Path) -> None:
     # TVM's compile_relax leaves a kernel the database has no record of as scalar loops; ours
-    # schedules it with the default rule, and leaves the searched ones as the search wrote them.
+    # schedules it with the default rule, and leaves a kept searched one as the search wrote it.
     import tvm
-    from tvm.relax.backend.cpu_generic import pipeline as cpu
     from tvm.relax.transform import MetaScheduleApplyDatabase
     from tvm.s_tir import meta_schedule as ms
 
+    from benchbackend.backends.tvm import tuning
     from benchbackend.backends.tvm.adapter import host_target, relax_module
     from benchbackend.backends.tvm.schedule import schedule_pass
 
-    (folder,) = (cache / "tvm").iterdir()
-    database = ms.database.JSONDatabase(str(folder / "workloads.json"), str(folder / "records.json"))
-    target = host_target(os.cpu_count() or 1)  # the target the search ran for (the worker's default threads)
-    scripts = {}
-    for name in ("tiny", "mnist"):  # tiny: the searched network; mnist: kernels the database never saw
-        with target, database, tvm.transform.PassContext(opt_level=3):
-            mod = tvm.transform.Sequential([*cpu.library_dispatch_passes(target), *cpu.legalize_passes(target),
-                                            MetaScheduleApplyDatabase()])(relax_module(_load(name), 32))
-            searched = {gv.name_hint: f.script() for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
-            scripts[name] = (searched, {gv.name_hint: f.script() for gv, f in schedule_pass()(mod).functions.items()
-                                        if isinstance(f, tvm.tirx.PrimFunc)})
-    searched, final = scripts["tiny"]
-    assert final == searched and any("T.parallel" in s or "T.vectorized" in s for s in final.values())
-    _, final = scripts["mnist"]
-    assert all("T.parallel" in s for s in final.values()), "the rule's schedule where the search has none"
+    target = host_target(2)
+    mod = relax_module(W.load("mnist"), 32)
+    tasks = ms.relax_integration.extract_tasks(tuning.fused_module(mod, target), target)
+    conv = next(t for t in tasks if "conv" in t.task_name)
+    database = ms.database.JSONDatabase(str(tmp_path / "w.json"), str(tmp_path / "r.json"))
+    _plant_unscheduled([conv], [1], tmp_path, 2, 0, database)
+    with target, database, tvm.transform.PassContext(opt_level=3):
+        final = schedule_pass()(MetaScheduleApplyDatabase()(tuning.fused_module(mod, target)))
+    scripts = {gv.name_hint: f.script() for gv, f in final.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert conv.task_name in scripts and len(scripts) > 2
+    for name, script in scripts.items():
+        assert ("T.parallel" in script) == (name != conv.task_name), name
+
+
+def test_the_searched_register_tiles_give_the_default_rules_results_bit_for_bit() -> None:
+    # The search varies only the register tile's sizes: loops reordered, each output element still
+    # sums its reduction in the same order as the default rule's kernel (and TVM's plain loops).
+    import tvm
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+
+    from benchbackend.backends.tvm import tuning
+    from benchbackend.backends.tvm.adapter import host_target, relax_module
+    from benchbackend.backends.tvm.schedule import schedule_loops
+
+    target, dev = host_target(2), tvm.cpu(0)
+    mod = relax_module(W.load("mnist"), 32)
+    every = ms.relax_integration.extract_tasks(tuning.fused_module(mod, target), target)
+    tasks = [t for t in every if "conv" in t.task_name or "matmul" in t.task_name]
+    assert len(tasks) >= 3 and all(tuning.tunable(t, target) for t in tasks)
+    # A kernel with no register tile (a reshape; a softmax's row reductions) has one schedule: no
+    # trial goes to it.
+    others = [t for t in every if t.task_name in ("reshape", "softmax")]
+    assert others and not any(tuning.tunable(t, target) for t in others)
+    rng = np.random.default_rng(0)
+    for task in tasks:
+        args = [np.asarray(rng.standard_normal([int(d) for d in a.shape]), np.float32)
+                for a in ms.arg_info.ArgInfo.from_entry_func(task.dispatched[0])]
+
+        def run(scheduled: tvm.IRModule) -> np.ndarray:
+            tensors = [tvm.runtime.tensor(a, dev) for a in args]
+            tvm.tirx.build(scheduled, target=target)["main"](*tensors)
+            return tensors[-1].numpy()
+
+        expected = run(tuning.default_schedule(task, target))
+        tiles = set()
+        for seed in range(1, 5):
+            sch = s_tir.Schedule(task.dispatched[0], seed=seed)
+            assert schedule_loops(sch, target, tunable=True)
+            tiles.add(str(sch.trace.decisions))
+            np.testing.assert_array_equal(run(sch.mod), expected, err_msg=f"{task.task_name} seed {seed}")
+        assert len(tiles) > 1 or "matmul" in task.task_name, f"{task.task_name}: the tile sizes are not sampled"

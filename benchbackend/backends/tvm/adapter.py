@@ -1,11 +1,14 @@
 """Apache TVM adapter (inference only): the spec as a Relax graph, compiled for the host CPU.
 
 Modes: ``default`` compiles with TVM's Relax pipeline for the ``llvm`` target (legalize, fuse,
-lower) plus a fixed CPU schedule, parallel and vectorized (``tvm_schedule.py``; TVM's own CPU
+lower) plus a fixed CPU schedule, parallel and vectorized (``schedule.py``; TVM's own CPU
 pipeline schedules nothing); no schedule search. ``tuned`` additionally searches schedules with
-MetaSchedule in ``tune()`` and recompiles with the resulting database (the fixed schedule for any
-kernel the search left without a record), which is cached per workload definition, target and trial
-budget, so a later run reuses it.
+MetaSchedule in ``tune()`` (``tuning.py``: the fixed schedule's register-tile sizes searched, trials
+where the runtime goes, and a searched schedule kept only for a kernel where it measured faster than
+the fixed one), recompiles with the resulting
+database (the fixed schedule for every other kernel), and keeps the tuned executable only if it runs
+a batch faster than the default one. The database is cached per workload definition, target and
+trial budget, so a later run reuses it (the ``tune`` row's notes say which).
 
 A CNN's graph is built directly with ``relax.BlockBuilder`` in NHWC/HWIO, the canonical layout, so the
 shared weights go in unchanged and the input needs no transpose. A transformer (any of
@@ -18,25 +21,17 @@ tunes static shapes only, and one shape means parity checks the very kernels tha
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
-import inspect
 import json
-import linecache
 import os
-import shutil
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.s_tir import meta_schedule as ms
 
 from ...errors import BackendUnavailable
 from ...paths import cache_dir
@@ -47,6 +42,7 @@ from ...spec.model import vocabulary
 from ...spec.workload import Workload
 from ..base import Backend
 from ..spec import DECODER_LAYERS, TRANSFORMER_LAYERS
+from . import tuning
 from .schedule import compile_module
 
 #: Layouts of the Relax graph; the canonical ones, so weights and inputs need no conversion.
@@ -218,27 +214,49 @@ class TVMBackend(Backend):
         return int(sum(w.size for w in weights))
 
     def tune(self) -> Optional[str]:
-        """``tuned``: search (or reuse the cached database), then recompile with it."""
+        """``tuned``: search (or reuse the cached database), recompile with it, and keep whichever of
+        the tuned and the default executable runs a batch faster (``tuning``: the per-task choice)."""
         if self.mode != "tuned":
             return None
-        assert self._mod is not None, "build() first"
+        assert self._mod is not None and self._vm is not None, "build() first"
         trials = int(self.options.tune_trials or DEFAULT_TUNE_TRIALS)
         folder = self.database_dir(trials)
         started = time.perf_counter()
         if (folder / "summary.json").is_file():
             summary = json.loads((folder / "summary.json").read_text())
-            what = f"reused database {folder} ({summary['records']} trials over {summary['tasks']} tasks)"
+            what = (f"reused database {folder} ({summary['records']} trials over {summary['tasks']} tasks, "
+                    f"searched schedule kept for {summary['searched']})")
         else:
-            summary = self._search(folder, trials)
+            summary = tuning.tune(self._mod, self.target, folder, trials, self._threads, self.workload.seed)
             what = (f"searched {summary['records']} trials (budget {summary['trials']}) over {summary['tasks']} "
-                    f"tasks in {summary['seconds']:.1f} s (cost model {summary['cost_model']}); database {folder}")
+                    f"tasks in {summary['seconds']:.1f} s (cost model {summary['cost_model']}), searched schedule "
+                    f"kept for {summary['searched']} ({_choices(summary)}); database {folder}")
         searched = time.perf_counter() - started
-        database = ms.database.JSONDatabase(str(folder / "workloads.json"), str(folder / "records.json"),
-                                            allow_missing=False)
-        executable = compile_module(self._mod, self.target, database)
-        self._vm = relax.VirtualMachine(executable, self.dev)
+        if not summary["searched"]:
+            return f"{what}; every kernel keeps the default schedule, as tvm:default"
+        tuned = relax.VirtualMachine(compile_module(self._mod, self.target, tuning.chosen_database(folder)), self.dev)
         compiled = time.perf_counter() - started - searched
-        return f"{what}; compiled with it in {compiled:.1f} s"
+        t_tuned, t_default = self._batch_seconds(tuned), self._batch_seconds(self._vm)
+        keep = t_tuned < t_default
+        if keep:
+            self._vm = tuned
+        return (f"{what}; compiled with it in {compiled:.1f} s; a batch: tuned {t_tuned * 1e3:.2f} ms, default "
+                f"{t_default * 1e3:.2f} ms, {'tuned' if keep else 'default'} executable kept")
+
+    def _batch_seconds(self, vm: relax.VirtualMachine, repeats: int = 5) -> float:
+        """Median seconds of one call on a batch of the compiled size (random data), after a warm-up:
+        the module-level check between the tuned and the default executable, outside timed passes."""
+        main = vm["main"]
+        x = tvm.runtime.tensor(np.random.default_rng(0).random((self.batch, *self.workload.input_shape),
+                                                              dtype=np.float32), self.dev)
+        main(x, *self._params)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            main(x, *self._params)
+            self.dev.sync()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
 
     def database_dir(self, trials: int) -> Path:
         """Cache folder of the tuning database: what the kernels depend on (the layers, the input
@@ -248,51 +266,6 @@ class TVMBackend(Backend):
         kernels = json.dumps([w.model_dump(mode="json")["model"], list(w.input_shape), w.inference.batch_size])
         digest = hashlib.sha256((kernels + str(self.target)).encode()).hexdigest()[:12]
         return cache_dir() / "tvm" / f"{w.name}-{digest}-t{trials}"
-
-    def _search(self, folder: Path, trials: int) -> dict[str, Any]:
-        assert self._mod is not None
-        started = time.perf_counter()
-        # TVM 0.27 extracts tasks from fused TIR only; these are the passes compile_relax runs
-        # before applying the database, so the tuned workloads match what gets compiled.
-        prepare = tvm.transform.Sequential(relax.pipeline.library_dispatch_passes(self.target)
-                                           + relax.pipeline.legalize_passes(self.target))
-        with self.target:
-            fused = prepare(self._mod)
-        tasks = ms.relax_integration.extract_tasks(fused, self.target)
-        with _cheap_stack():  # MetaSchedule's schedule rules import the intrinsics on first use
-            importlib.import_module("tvm.s_tir.tensor_intrin")
-        cost_model = "xgb" if _has_xgboost() else "random"
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        # Search into a scratch folder and move it in place at the end, so that an interrupted
-        # search never leaves a database that a later run would take as complete.
-        scratch = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-        try:
-            # The evolutionary search's population scales with the budget (512 is TVM's default):
-            # a population of 512 per task costs minutes on two cores for a handful of trials.
-            per_task = max(1, trials // max(1, len(tasks)))
-            strategy = ms.search_strategy.EvolutionarySearch(population_size=min(512, max(32, 16 * per_task)))
-            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-                tasks, work_dir=str(scratch), strategy=strategy, num_threads=self._threads, seed=self.workload.seed)
-            database = ms.database.JSONDatabase(str(scratch / "workloads.json"), str(scratch / "records.json"))
-            # An equal share per task, measured in one round, so that a small budget still
-            # reaches every task (the scheduler otherwise spends it on the first ones).
-            ms.tune.tune_tasks(tasks=contexts, task_weights=weights, work_dir=str(scratch),
-                               builder=ms.builder.LocalBuilder(max_workers=self._threads, f_build=build_trial),
-                               max_trials_global=max(trials, per_task), max_trials_per_task=per_task,
-                               num_trials_per_iter=min(64, per_task), database=database, cost_model=cost_model)
-            summary = {"trials": trials, "tasks": len(contexts), "records": len(database),
-                       "seconds": time.perf_counter() - started, "cost_model": cost_model,
-                       "target": str(self.target), "tvm": tvm.__version__}
-            (scratch / "summary.json").write_text(json.dumps(summary, indent=1))
-            shutil.rmtree(scratch / "logs", ignore_errors=True)
-            if folder.exists():  # a concurrent run finished first; theirs is as good
-                shutil.rmtree(scratch)
-            else:
-                scratch.rename(folder)
-        except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise
-        return summary
 
     # --- inference --------------------------------------------------------------------------
     def to_device(self, x: np.ndarray) -> Batches:
@@ -328,53 +301,13 @@ class TVMBackend(Backend):
         self.dev.sync()
 
 
-def build_trial(mod: tvm.IRModule, target: tvm.target.Target, params: Any) -> Any:
-    """MetaSchedule's default trial build, without its ``import tvm.s_tir.tensor_intrin``.
-
-    That import parses every vendor's tensor intrinsics (tens of seconds) in each fresh builder
-    process (MetaSchedule starts one per round), which runs past the builder's 30 s timeout on a
-    busy machine, so every trial fails. Trials arrive already scheduled (tensorized or not), so
-    building them needs no intrinsic registry.
-    """
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
-    return tvm.tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
-
-
-@contextlib.contextmanager
-def _cheap_stack() -> Iterator[None]:
-    """``inspect.stack()`` without its per-frame module search, while TVM's tensor intrinsics import.
-
-    Each of their ~500 ``@T.prim_func`` decorators calls ``inspect.stack()``, whose frame records
-    look up each frame's module over all of ``sys.modules``: 21 s of a tuned cell here (2 s with
-    this). TVMScript reads only the frame, file, line number and the line's text of each record,
-    which are taken straight from the frame and ``linecache`` here.
-    """
-    real = inspect.stack
-
-    def stack(context: int = 1) -> list[inspect.FrameInfo]:
-        frame, out = sys._getframe(1), []
-        while frame is not None:
-            code = frame.f_code
-            line = linecache.getline(code.co_filename, frame.f_lineno) if context else ""
-            lines, index = ([line], 0) if line else (None, None)
-            try:
-                info = inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, lines, index,
-                                         positions=None)
-            except TypeError:  # Python < 3.11: no positions
-                info = inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, lines, index)
-            out.append(info)
-            frame = frame.f_back
-        return out
-
-    inspect.stack = stack
-    try:
-        yield
-    finally:
-        inspect.stack = real
-
-
-def _has_xgboost() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("xgboost") is not None
+def _choices(summary: Mapping[str, Any]) -> str:
+    """Each searched task's choice, as ``name trials: default 1.20 ms / searched 0.90 ms -> searched``."""
+    parts = []
+    for t in summary["per_task"]:
+        if t["trials"]:
+            d, s = t["duel_default_s"], t["duel_searched_s"]
+            times = f"default {d * 1e3:.3g} ms / searched {s * 1e3:.3g} ms" if d is not None and s is not None \
+                else "no searched schedule"
+            parts.append(f"{t['name']} x{t['trials']}: {times} -> {t['chosen']}")
+    return "; ".join(parts)

@@ -51,37 +51,55 @@ class CPUDefault(CPUScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
         sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        lanes = vector_lanes(target)
-        reductions = []
-        for info in infos:
-            block = info.block_rv
-            loops = sch.get_loops(block)
-            kinds = info.dom_kind()
-            if not loops or "O" in kinds or "S" not in kinds or len(kinds) != len(loops):
-                continue
-            spatial = [loop for loop, kind in zip(loops, kinds) if kind == "S"]
-            reduce = [loop for loop, kind in zip(loops, kinds) if kind == "R"]
-            sch.reorder(*spatial, *reduce)
-            spatial, vec = _split_vector(sch, spatial, lanes)
-            tile = None
-            if reduce and vec is not None and len(spatial) >= 2:
-                spatial, tile = _split_tile(sch, spatial)
-            if reduce and vec is not None:
-                sch.reorder(*spatial, *reduce, *([tile] if tile is not None else []), vec)
-            if spatial:
-                sch.parallel(sch.fuse(*spatial[:-1]) if len(spatial) > 2 else spatial[0])
-            if tile is not None:
-                sch.unroll(tile)
-            if vec is not None:
-                sch.vectorize(vec)
-            if reduce:
-                reductions.append((block, reduce[0]))
-        for block, loop in reductions:
-            sch.decompose_reduction(block, loop)
-        return sch
+        return sch if schedule_loops(sch, target) else None
+
+
+def schedule_loops(sch: s_tir.Schedule, target: tvm.target.Target, tunable: bool = False) -> bool:
+    """The rule on ``sch`` (its ``main``), in place; False where it reads no loop nest.
+
+    ``tunable``: the register tile's sizes are MetaSchedule decisions instead of the fixed choice
+    (``tuning.rule_space``): the output-column tile (up to 16) and a tile of whole vectors of the
+    channels (up to 4), each a ``sample_perfect_tile`` that the search's tile-size mutator varies.
+    """
+    infos = normalize_prim_func(sch)
+    if infos is None:
+        return False
+    lanes = vector_lanes(target)
+    reductions = []
+    for info in infos:
+        block = info.block_rv
+        loops = sch.get_loops(block)
+        kinds = info.dom_kind()
+        if not loops or "O" in kinds or "S" not in kinds or len(kinds) != len(loops):
+            continue
+        spatial = [loop for loop, kind in zip(loops, kinds) if kind == "S"]
+        reduce = [loop for loop, kind in zip(loops, kinds) if kind == "R"]
+        sch.reorder(*spatial, *reduce)
+        spatial, vec = _split_vector(sch, spatial, lanes)
+        tiles = []
+        if reduce and vec is not None and len(spatial) >= 2:
+            spatial, tiles = _sample_tiles(sch, spatial) if tunable else _split_tile(sch, spatial)
+        if reduce and vec is not None:
+            sch.reorder(*spatial, *reduce, *tiles, vec)
+        if spatial:
+            sch.parallel(sch.fuse(*spatial[:-1]) if len(spatial) > 2 else spatial[0])
+        for tile in tiles:
+            sch.unroll(tile)
+        if vec is not None:
+            sch.vectorize(vec)
+        if reduce:
+            reductions.append((block, reduce[0]))
+    for block, loop in reductions:
+        sch.decompose_reduction(block, loop)
+    return True
+
+
+def _sample_tiles(sch: s_tir.Schedule, spatial: list) -> tuple[list, list]:
+    """``_split_tile``'s column tile and a tile of the channels' vectors, as sampled decisions."""
+    column, channels = spatial[-2], spatial[-1]
+    col_outer, col_inner = sch.split(column, factors=sch.sample_perfect_tile(column, n=2, max_innermost_factor=16))
+    ch_outer, ch_inner = sch.split(channels, factors=sch.sample_perfect_tile(channels, n=2, max_innermost_factor=4))
+    return [*spatial[:-2], col_outer, ch_outer], [col_inner, ch_inner]
 
 
 def _split_vector(sch: s_tir.Schedule, spatial: list, lanes: int) -> tuple[list, Any]:
@@ -99,7 +117,7 @@ def _split_vector(sch: s_tir.Schedule, spatial: list, lanes: int) -> tuple[list,
     return [*spatial[:-1], outer], inner
 
 
-def _split_tile(sch: s_tir.Schedule, spatial: list) -> tuple[list, Any]:
+def _split_tile(sch: s_tir.Schedule, spatial: list) -> tuple[list, list]:
     """The spatial loop next to the vector's split by the largest tile in TILES that divides it; when
     none does (a ViT's 197 tokens), the loops outside the vector's fused into one first (batch x tokens),
     which one may: without a tile, each output row reloads the whole kernel from memory."""
@@ -110,9 +128,9 @@ def _split_tile(sch: s_tir.Schedule, spatial: list) -> tuple[list, Any]:
         extent = _extent(sch, spatial[-2])
         size = next((t for t in TILES if extent is not None and extent % t == 0), None)
     if size is None:
-        return spatial, None
+        return spatial, []
     outer, inner = sch.split(spatial[-2], factors=[None, size])
-    return [*spatial[:-2], outer, spatial[-1]], inner
+    return [*spatial[:-2], outer, spatial[-1]], [inner]
 
 
 def schedule_pass() -> tvm.transform.Pass:
