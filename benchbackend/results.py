@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 from .columns import DECLARED
 from .errors import ResultsError
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 #: A training sample costs this many forward passes of FLOPs: the forward, the gradient of the
 #: activations and the gradient of the weights. ``achieved_flops`` and ``mfu`` count training so.
 TRAIN_FLOPS_FACTOR = 3
@@ -28,7 +28,7 @@ TRAIN_FLOPS_FACTOR = 3
 #: is ``_migrate``'s docstring.
 COLUMNS = [c.name for c in DECLARED]
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
-PHASES = ("build", "tune", "parity", "train_epoch", "inference", "prefill", "decode", "greedy", "run")
+PHASES = ("build", "tune", "parity", "train_epoch", "inference", "scenario", "prefill", "decode", "greedy", "run")
 #: Cell statuses, best first; "worst" is the highest index. ``pending``: the cell had not ended
 #: when the row was written (a parent killed outright leaves it so). ``retried``: an attempt lost
 #: with its node and run again (``--retries``); its rows are kept for the record and feed nothing.
@@ -270,8 +270,9 @@ def read(path: str | Path) -> "Any":
 
 
 def _migrate(df: "Any") -> None:
-    """Rows of older schemas, as schema 11 says them (see ``columns.DECLARED``):
+    """Rows of older schemas, as schema 12 says them (see ``columns.DECLARED``):
 
+    - before 12, no row ran a LoadGen scenario (``--scenario``): its columns are empty;
     - before 11, no row generated (``--generate``): its columns are empty;
     - before 10, no row had ``tokens_per_s`` (no language models): empty;
     - before 9, the machine was not watched: its columns are empty (not measured, never "quiet");

@@ -30,7 +30,7 @@ def _run(monkeypatch, tmp_path: Path, *args: str) -> Path:
 def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp_path):
     path = _run(monkeypatch, tmp_path, "--epochs", "2", "--parity-steps", "2", "--batch-size", "50")
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)  # as a user reads it, no benchbackend
-    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 11
+    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 12
     # Schema 9: every timed row says how much of the cell's cores other processes held (a share),
     # every row the load average as the cell started; the rows that time nothing say nothing.
     timed = raw[raw["phase"].isin(["build", "train_epoch", "inference"])]

@@ -211,9 +211,11 @@ class Runner:
 
     def _options(self, choice: Choice) -> Options:
         """The run's options for a cell: its threads (``--threads``, a sweep), split between its
-        replicas (``replicas``)."""
+        replicas (``replicas``), and where LoadGen's logs go (``--scenario``: ``<csv stem>-loadgen``)."""
         n, threads = choice.replicas, choice.threads or self.plan.options.threads
-        return replace(self.plan.options, replicas=n, threads=replicas.threads_per_replica(threads, n))
+        logs = str(self.writer.path.with_name(self.writer.path.stem + "-loadgen").resolve())
+        return replace(self.plan.options, replicas=n, threads=replicas.threads_per_replica(threads, n),
+                       loadgen_dir=logs)
 
     def _key(self, cell: Cell) -> resume.CellKey:
         c, w = cell.choice, cell.workload
@@ -277,7 +279,8 @@ class Runner:
                 "definition": definition(w, source), "limit": w.data.train, "epochs": w.training.epochs,
                 "batch_size": w.training.batch_size, "inference_batch_size": w.inference.batch_size, "seed": w.seed,
                 "replicas": c.replicas, "threads": self._options(c).threads, "scale_lr": self.plan.options.scale_lr,
-                "scaling": self.plan.options.scaling if c.replicas > 1 else "strong"}
+                "scaling": self.plan.options.scaling if c.replicas > 1 else "strong",
+                "scenario": w.loadgen.scenario if w.loadgen is not None else None}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device, generates=self.plan.generate), base)
         if attempt == 1:
             self.display.cell_started(cell)
@@ -293,6 +296,9 @@ class Runner:
                                      state.base.get("peak_flops")))
         if (row.get("mfu") or 0) > 1:
             row["notes"] = "; ".join(n for n in (row.get("notes"), self._peak_too_low(state, row["mfu"])) if n)
+        if row.get("loadgen_log"):  # beside the CSV: named from its folder, so that the two move together
+            with contextlib.suppress(ValueError):
+                row["loadgen_log"] = str(Path(row["loadgen_log"]).relative_to(self.writer.path.resolve().parent))
         if cell.workload.next_token and row.get("samples_per_s"):  # a sequence is `context` tokens
             row["tokens_per_s"] = row["samples_per_s"] * cell.workload.input_shape[0]
         full = {**state.base, **row, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

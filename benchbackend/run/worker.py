@@ -27,6 +27,10 @@ backend trains) timed epochs, each followed by an untimed validation pass, and t
 passes; or, with ``--generate``, instead of training and inference, the generation passes
 (``run/generation.py``). Every timed region ends with the result materialized on the host and the device synced,
 by this module, not the adapter. A NaN/inf training loss stops training (the rows are kept).
+With ``--scenario`` the inference passes are an MLPerf scenario on LoadGen instead (``run/scenario.py``).
+
+Over 400 lines: the cell's whole order is read here, in one place (the protocol, placement, build, parity,
+training, inference); generation and the LoadGen scenarios already live in their own modules.
 """
 from __future__ import annotations
 
@@ -251,6 +255,10 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit) -> None:
         return
     if job.trains and not _train(cell, base):
         return  # nan_loss: stop this repeat; its rows are kept
+    if workload.loadgen is not None and workload.loadgen.scenario:  # --scenario: MLPerf LoadGen's instead
+        from . import scenario
+
+        return scenario.run(cell, base, _memory, job)
     _infer(cell, base)
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from .layers import LAYER_CLASSES, Rope
+from .loadgen import LoadgenSpec
 from .workload import (
     ChecksSpec,
     DataSpec,
@@ -39,7 +40,7 @@ END = "<!-- END workload reference -->"
 SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("(top level)", Workload), ("data", DataSpec), ("training", TrainingSpec),
     ("training.weight_decay", WeightDecay), ("inference", InferenceSpec),
-    ("generation", GenerationSpec), ("checks", ChecksSpec),
+    ("generation", GenerationSpec), ("loadgen", LoadgenSpec), ("checks", ChecksSpec),
     ("checks.parity_tolerance.PRECISION", Tolerance), ("checks.trajectory_tolerance.PRECISION", TrajectoryTolerance))
 #: What a field means, where its model gives no description: "section.field" (layers: "TYPE.field").
 NOTES = {
@@ -50,6 +51,8 @@ NOTES = {
     "(top level).training": "see `training`",
     "(top level).inference": "see `inference`",
     "(top level).checks": "see `checks`",
+    "(top level).loadgen": "`--scenario`'s settings (MLPerf LoadGen; docs/scenarios.md): see `loadgen`; unset: "
+                           "its defaults",
     "(top level).generation": "`--generate`'s settings (decoder language models; docs/generation.md): see "
                               "`generation`; unset: its defaults",
     "data.dataset": "`mnist`, `cifar10`: the canonical files (or stand-ins with `--data synthetic`); "

@@ -42,6 +42,7 @@ from .layers import (
     Strict,
     activation_of,
 )
+from .loadgen import LoadgenSpec
 from .repeat import expand_repeats
 
 __all__ = ["ActivationLayer", "Add", "BatchNorm", "Conv2D", "DataSpec", "Dense", "Dropout", "Flatten",
@@ -292,6 +293,8 @@ class Workload(_Strict):
     checks: ChecksSpec = ChecksSpec()
     #: Set by ``--generate`` (with its overrides) or written in the YAML; None: the defaults.
     generation: Optional[GenerationSpec] = None
+    #: ``--scenario``'s settings (MLPerf LoadGen, ``spec/loadgen.py``), set by it or the YAML; None: unset.
+    loadgen: Optional[LoadgenSpec] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -328,9 +331,9 @@ class Workload(_Strict):
 
     def hash(self) -> str:
         """Short content hash of everything that changes what is measured (not the description;
-        not an absent ``generation``, so that the hashes from before it existed still hold)."""
-        payload = self.model_dump(mode="json", exclude={"description"} | ({"generation"} if self.generation is None
-                                                                           else set()))
+        not an absent ``generation`` or ``loadgen``, so that the hashes from before it existed still hold)."""
+        absent = {name for name in ("generation", "loadgen") if getattr(self, name) is None}
+        payload = self.model_dump(mode="json", exclude={"description"} | absent)
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
