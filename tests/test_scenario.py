@@ -13,7 +13,7 @@ from support.sleeping_backend import SERVICE_S, tiny
 
 from benchbackend.run import checks
 from benchbackend.spec import loadgen
-from conftest import invoke, one_line_error, run_cell
+from conftest import cli, invoke, one_line_error, requires, run_cell
 
 pytest.importorskip("mlperf_loadgen", reason="--scenario needs mlcommons-loadgen (pip install 'benchbackend[loadgen]')")
 
@@ -130,3 +130,51 @@ def test_the_sleeping_backend_sleeps() -> None:
     start = time.perf_counter()
     sleeping_backend.hold(0.01)
     assert 0.01 <= time.perf_counter() - start < 0.012
+
+
+def _analytic_rate(service: float, bound: float, q: float = 0.99) -> float:
+    """The M/D/1 arrival rate whose ``q`` quantile of time in the system is ``bound``."""
+    low, high = 1.0, 0.999 / service
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if md1_sojourn_quantile(mid, service, q) < bound else (low, mid)
+    return low
+
+
+@pytest.mark.slow
+def test_the_peak_search_finds_the_analytic_rate_for_a_bound(tmp_path: Path) -> None:
+    (single,), _, _ = _run(tmp_path / "s", "single-stream", min_duration_s=0.5, min_query_count=64)
+    service = single["latency_mean_ms"] / 1e3
+    bound_ms = 5 * SERVICE_S * 1e3
+    probes, rows, w = _run(tmp_path / "p", "server", slo_ms=bound_ms, min_duration_s=1.0, min_query_count=2000)
+    assert [r["probe"] for r in probes] == list(range(1, len(probes) + 1)) and len(probes) >= 4
+    assert all(r["latency_bound_ms"] == bound_ms for r in probes)
+    good = [r["target_qps"] for r in probes if r["loadgen_valid"] == "valid"]
+    bad = [r["target_qps"] for r in probes if r["loadgen_valid"] != "valid"]
+    peak = max(good)
+    assert min(r for r in bad if r > peak) <= peak * 1.02 + 1e-9  # the bracket closed within 2%
+    assert peak == pytest.approx(_analytic_rate(service, bound_ms / 1e3), rel=0.05), (peak, service, probes)
+    assert checks.cell_status(rows, w)[0] == "ok"
+
+
+@pytest.mark.slow
+@requires("onnxruntime")
+def test_a_run_keeps_loadgen_logs_beside_the_csv_and_compare_gives_verdicts(tmp_path: Path) -> None:
+    import pandas as pd
+
+    out = tmp_path / "r.csv"
+    done = cli("run", "mnist", "-b", "numpy", "-b", "onnxruntime", "--inference-only", "--scenario", "single-stream",
+               "--data", "synthetic", "--limit", "128", "--min-duration", "0.3", "--repeats", "2", "-o", str(out),
+               "--no-plots", "-q")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = pd.read_csv(out)
+    sc = rows[rows["phase"] == "scenario"]
+    assert len(sc) == 4 and set(sc["scenario"]) == {"single-stream"} and sc["below_mlperf_minimum"].all()
+    assert set(rows["schema_version"]) == {12}
+    for log in sc["loadgen_log"]:
+        assert log.startswith("r-loadgen/") and (tmp_path / log / "mlperf_log_summary.txt").exists()
+    assert "scenario=single-stream" in rows["definition"].iloc[0]
+    text = cli("compare", str(out), "--baseline", "numpy").stdout
+    assert "Scenario single-stream on LoadGen (below MLPerf's minimum" in text
+    assert "p90 vs numpy" in text and "samples/s vs numpy" in text
+    assert "fastest correct (*): single-stream p90:" in text

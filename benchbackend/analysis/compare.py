@@ -21,7 +21,11 @@ the target has no time and is counted apart, and a group where none did is not r
 The decision rules are in :mod:`benchbackend.analysis.stats`, the reductions in :mod:`benchbackend.analysis.summary`,
 the warnings in :mod:`benchbackend.analysis.caveats` (``report_warnings`` here orders them) and the
 formatting in :mod:`benchbackend.analysis.tables`; generation's (``--generate``: TTFT, TPOT, decode
-tokens/s per prompt length, by the same rule) in :mod:`benchbackend.analysis.generation`.
+tokens/s per prompt length, by the same rule) in :mod:`benchbackend.analysis.generation`, and the LoadGen
+scenarios' (``--scenario``: p90, p99, samples/s, peak QPS) in :mod:`benchbackend.analysis.scenarios`.
+
+Over 400 lines: the ranking, its regressions and the outcome every renderer reads share this room
+with the three analyses' hand-off; generation and scenarios already live apart.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import pandas as pd
 
 from .. import results
 from ..errors import ResultsError
-from . import busy, caveats, experiments, generation, scaling, stats, summary, tables
+from . import busy, caveats, experiments, generation, scaling, scenarios, stats, summary, tables
 from .caveats import group_name
 from .experiments import CONTEXT_KEYS, GroupKey
 from .summary import METRICS, TTA
@@ -68,23 +72,24 @@ class CompareOutcome:
     metric: str = "epoch-time"
     fmt: str = "table"
     generation: Optional[pd.DataFrame] = None  # ``generation.rank``'s groups per prompt length
+    scenarios: Optional[pd.DataFrame] = None  # ``scenarios.rank``'s
 
     @cached_property
     def table_text(self) -> str:
         """The terminal table (what ``--format table`` prints)."""
-        return self.text if self.fmt == "table" else tables.render(self.groups, "table", self.warnings, self.metric,
-                                                                   generation=self.generation)
+        return self.text if self.fmt == "table" else tables.render(
+            self.groups, "table", self.warnings, self.metric, generation=self.generation, scenarios=self.scenarios)
 
     @cached_property
     def body(self) -> str:
         """The terminal table without its verdict lines (``run`` prints its warnings between the
         two, so that its last word is the verdict)."""
         return tables.render(self.groups, "table", self.warnings, self.metric, verdicts=False,
-                             generation=self.generation)
+                             generation=self.generation, scenarios=self.scenarios)
 
     @cached_property
     def verdict(self) -> str:
-        return tables.verdict_lines(self.groups, self.metric, self.generation)
+        return tables.verdict_lines(self.groups, self.metric, self.generation, self.scenarios)
 
 
 def _expand(paths: list[str]) -> list[str]:
@@ -303,7 +308,7 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
 
 def _check_measured(df: pd.DataFrame) -> None:
     """Files with no training, inference or generation row (header only, or only status rows) are an error."""
-    if len(df) and df["phase"].isin(["train_epoch", "inference", *generation.PHASES]).any():
+    if len(df) and df["phase"].isin(["train_epoch", "inference", "scenario", *generation.PHASES]).any():
         return
     files = df.attrs.get("files") or (sorted(set(df["source"])) if "source" in df else [])
     names = ", ".join(Path(f).name for f in files) or "the results given"
@@ -370,9 +375,10 @@ def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate
     _check_format(fmt)
     groups, warnings, code, gen = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []),
                                            metric, skip_busy)
-    text = tables.render(groups, fmt, warnings, metric, generation=gen)
+    sc = scenarios.rank(groups, experiments.with_experiment(df))
+    text = tables.render(groups, fmt, warnings, metric, generation=gen, scenarios=sc)
     return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df, groups=groups, metric=metric,
-                          fmt=fmt, generation=gen)
+                          fmt=fmt, generation=gen, scenarios=sc)
 
 
 def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tuple[str, ...] = (),

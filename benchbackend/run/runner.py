@@ -105,8 +105,14 @@ def definition(w: Workload, source: str) -> str:
     g = w.generation  # set by --generate (or the YAML): what a generation measures
     generate = "" if g is None else (f" prompt={','.join(map(str, g.prompt_tokens))} new_tokens={g.new_tokens} "
                                      f"gen_batch={g.batch_size} passes={g.passes} cache={g.cache}")
+    lg = w.loadgen  # set by --scenario (or the YAML): what a LoadGen run measures
+    scenario = "" if lg is None or not lg.scenario else (
+        f" scenario={lg.scenario} min_duration={lg.min_duration_s:g}s min_queries={lg.queries(lg.scenario)}"
+        + {"multi-stream": f" samples_per_query={lg.multistream_samples}",
+           "server": f" latency_bound={lg.server_latency_ms:g}ms" + (f" slo={lg.slo_ms:g}ms" if lg.slo_ms else "")
+           + (f" target_qps={lg.server_target_qps:g}" if lg.server_target_qps else "")}.get(lg.scenario, ""))
     return (f"train={d.train} val={d.validation} test={d.test} epochs={t.epochs} batch={t.batch_size} "
-            f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}{target}{generate}")
+            f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}{target}{generate}{scenario}")
 
 
 @dataclass
