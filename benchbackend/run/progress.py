@@ -326,6 +326,8 @@ def summary_line(result: Any, generated: Sequence[Generated] = ()) -> str:
     name, choice = _names(cell)
     head = f"{name:<10} {choice:<28} {result.device:<8} r{cell.repeat}"
     tail = f"  {result.message}" if result.message and result.status != "ok" else ""
+    if result.scenario:  # a LoadGen scenario replaced the inference passes
+        return f"{head}  {result.status:<16} {result.scenario}{tail}"
     if generated or getattr(result, "generates", False):
         figures = "; ".join(g.text() for g in generated) or "generation n/a"
         return f"{head}  {result.status:<16} {figures}{tail}"

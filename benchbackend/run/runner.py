@@ -66,6 +66,8 @@ class CellResult:
     inference_seconds: list[float] = field(default_factory=list)
     #: The cell generates (``--generate``): its summary line gives its generation figures.
     generates: bool = False
+    #: ``--scenario``: its last LoadGen run's line (``progress.scenario_line``), which the summary gives.
+    scenario: str = ""
 
     @property
     def backend(self) -> str:
@@ -318,6 +320,8 @@ class Runner:
         elif row.get("phase") == "inference":
             result.inference_seconds.append(row["seconds"])
         line = progress.row_line(row, cell.workload, result.inference_seconds)
+        if row.get("phase") == "scenario" and line:
+            result.scenario = line
         if line:
             self.display.note(f"{progress.tag(cell)} {line}")
 
