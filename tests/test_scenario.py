@@ -178,3 +178,5 @@ def test_a_run_keeps_loadgen_logs_beside_the_csv_and_compare_gives_verdicts(tmp_
     assert "Scenario single-stream on LoadGen (below MLPerf's minimum" in text
     assert "p90 vs numpy" in text and "samples/s vs numpy" in text
     assert "fastest correct (*): single-stream p90:" in text
+    assert cli("compare", str(out), "--plots", str(tmp_path / "p")).returncode == 0
+    assert [f.name for f in (tmp_path / "p").glob("*latency-cdf.png")]
