@@ -55,6 +55,7 @@ def test_md1_formula_holds_its_known_values() -> None:
     assert md1_sojourn_quantile(800.0, 0.001, 0.99) > md1_sojourn_quantile(500.0, 0.001, 0.99) > 0.002
 
 
+@pytest.mark.quiet_machine  # a timing against theory: alone, after the parallel suite
 def test_single_stream_median_is_the_service_time_and_the_run_is_labelled(tmp_path: Path) -> None:
     found, rows, w = _run(tmp_path, "single-stream", min_duration_s=0.6, min_query_count=64)
     (row,) = found
@@ -70,6 +71,7 @@ def test_single_stream_median_is_the_service_time_and_the_run_is_labelled(tmp_pa
     assert checks.cell_status(rows, w)[0] == "ok"
 
 
+@pytest.mark.quiet_machine  # a timing against theory: alone, after the parallel suite
 def test_server_p99_agrees_with_md1_queueing(tmp_path: Path) -> None:
     (single,), _, _ = _run(tmp_path / "s", "single-stream", min_duration_s=0.5, min_query_count=64)
     service = single["latency_mean_ms"] / 1e3  # the sleep plus LoadGen's and the serving thread's hand-offs
@@ -142,6 +144,7 @@ def _analytic_rate(service: float, bound: float, q: float = 0.99) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.quiet_machine
 def test_the_peak_search_finds_the_analytic_rate_for_a_bound(tmp_path: Path) -> None:
     (single,), _, _ = _run(tmp_path / "s", "single-stream", min_duration_s=0.5, min_query_count=64)
     service = single["latency_mean_ms"] / 1e3

@@ -46,7 +46,8 @@ def blocks(sc: pd.DataFrame, table: Callable[..., str], markdown: bool) -> list[
     out = [f"**{title}**" if markdown else title, table(head, rows, left={0, 1})]
     if sc["baseline"].ne("").any():
         base = next((b for b in sc["baseline"] if b), "baseline")
-        shown = [v for v in VERDICTS if sc[v[1]].notna().any()]
+        # Offline's latencies are each sample's completion within one query: its figure is samples/s alone
+        shown = [v for v in VERDICTS if sc[v[1]].notna().any() and (scenario != "offline" or v[0] == "sps")]
         vhead = ["backend"] + [f"{what} vs {base}" for _, _, what, _ in shown]
         vrows = [[str(r["label"])] + [str(r[f"{p}_text"]) for p, _, _, _ in shown] for _, r in sc.iterrows()]
         out.append(table(vhead, vrows, left=set(range(len(vhead)))))

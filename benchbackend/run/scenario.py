@@ -161,7 +161,7 @@ def settings(lg: Any, spec: Any, scenario: str, expected_s: float, rate: float, 
     s.min_duration_ms = int(round(spec.min_duration_s * 1000))
     s.min_query_count = spec.queries(scenario)
     s.performance_sample_count_override = samples
-    ns = max(int(expected_s * 1e9), 1000)
+    ns = max(int(expected_s * 1e9 / 2), 1000)  # LoadGen pre-generates queries by it: too few and the run ends short
     s.single_stream_expected_latency_ns = ns
     s.multi_stream_expected_latency_ns = ns
     s.multi_stream_samples_per_query = spec.multistream_samples
