@@ -110,6 +110,23 @@ def main() -> None:
 @click.option("--prompt-tokens", "prompt_tokens", multiple=True, type=click.IntRange(1), metavar="P",
               help="--generate: prompt length (repeatable: a sweep; also the cache depth the decode steps start at).")
 @click.option("--new-tokens", type=click.IntRange(2), metavar="G", help="--generate: tokens generated per prompt.")
+@click.option("--scenario", "scenarios", multiple=True, metavar="NAME",
+              type=click.Choice(["single-stream", "multi-stream", "server", "offline"]),
+              help="Inference as an MLPerf scenario on MLPerf's LoadGen (repeatable: a matrix dimension): latency "
+                   "percentiles, QPS, LoadGen's verdict, its logs beside the CSV (docs/scenarios.md). Settings: the "
+                   "workload's `loadgen:` section, or the five options below.")
+@click.option("--min-duration", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="--scenario: LoadGen's minimum run duration in seconds (MLPerf's is 600).")
+@click.option("--min-queries", type=click.IntRange(1), metavar="N", help="--scenario: LoadGen's minimum query count.")
+@click.option("--target-qps", type=click.FloatRange(min=0, min_open=True), metavar="QPS",
+              help="--scenario server: the offered rate of the Poisson arrivals.")
+@click.option("--latency-bound-ms", type=click.FloatRange(min=0, min_open=True), metavar="MS",
+              help="--scenario server: the p99 latency bound LoadGen judges the run by.")
+@click.option("--multistream-samples", type=click.IntRange(1), metavar="N",
+              help="--scenario multi-stream: samples per query.")
+@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True), metavar="MS",
+              help="--scenario server: search the highest target QPS whose p99 stays under MS (each probe a "
+                   "LoadGen run and a CSV row).")
 @click.option("--steps-per-execution", type=click.IntRange(1), default=32, show_default=True,
               help="Training steps per dispatch for modes that batch them (jax:scan).")
 @click.option("--tune-trials", type=click.IntRange(1), default=64, show_default=True,
@@ -155,7 +172,9 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         data_dir: Optional[Path], batch_sizes: tuple[int, ...], peak_tflops: Optional[float],
         thread_counts: tuple[int, ...],
         inference_only: bool, generate: bool, prompt_tokens: tuple[int, ...], new_tokens: Optional[int],
-        steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
+        scenarios: tuple[str, ...], min_duration: Optional[float], min_queries: Optional[int],
+        target_qps: Optional[float], latency_bound_ms: Optional[float], multistream_samples: Optional[int],
+        slo_ms: Optional[float], steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
         executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
         wait_for_nodes: float, retries: int, parity_steps: int, order: str, output: Optional[Path], force: bool,
         resume_from: Optional[Path], plots: bool, quiet: bool) -> None:
@@ -174,6 +193,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
       benchbackend run gpt-nano -b numpy --text my_book.txt --limit 512
       benchbackend run gpt-nano -b torch -b jax --generate --prompt-tokens 64 --new-tokens 32 --data synthetic
       benchbackend run mnist -b torch -b tensorflow --repeats 5 --resume results/interrupted.csv
+      benchbackend run resnet8 -b onnxruntime -b torch --inference-only --scenario single-stream --scenario offline
     """
     from . import epilogue, results
     from .run import executors, machine, outputs, progress, runner
@@ -192,6 +212,16 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     if generate and max(replica_counts, default=1) > 1:
         raise UsageFailure(f"--replicas {max(replica_counts)} trains data-parallel replicas and --generate trains "
                            "nothing (generation runs on one device): leave out one of them")
+    loadgen = {"min_duration_s": min_duration, "min_query_count": min_queries, "server_target_qps": target_qps,
+               "server_latency_ms": slo_ms or latency_bound_ms, "multistream_samples": multistream_samples,
+               "slo_ms": slo_ms}
+    if any(v is not None for v in loadgen.values()) and not scenarios:
+        raise UsageFailure("--min-duration, --min-queries, --target-qps, --latency-bound-ms, --multistream-samples "
+                           "and --slo-ms set up --scenario: add --scenario")
+    if scenarios and generate:
+        raise UsageFailure("--scenario times a classifier's inference and --generate a decoder's: leave out one")
+    if slo_ms is not None and "server" not in scenarios:
+        raise UsageFailure("--slo-ms searches the Server scenario's peak rate: add --scenario server")
     inference_only = inference_only or generate
     if inference_only and max(replica_counts, default=1) > 1:
         raise UsageFailure(f"--replicas {max(replica_counts)} trains data-parallel replicas and --inference-only "
@@ -200,7 +230,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         loaded = planning.load_workloads(workloads, batch_sizes, epochs=epochs, limit=limit, seed=seed,
                                          text=None if text is None else str(text), inference_only=inference_only,
                                          generate={"prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
-                                         if generate else None)
+                                         if generate else None, scenarios=scenarios, loadgen=loadgen)
         named = [m.partition(":")[0] for m in modes if m.partition(":")[0] in registry.BACKENDS]
         names = list(dict.fromkeys(backends_ or named or DEFAULT_BACKENDS))
         choices = planning.with_threads(planning.with_replicas(

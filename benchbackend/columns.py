@@ -133,8 +133,9 @@ DECLARED: tuple[Column, ...] = (
     _c("tie_step", N, "a `greedy` row's earliest step whose reference top-two outputs are too close for the "
                       "precision to order (the comparison stops there)", version=11),
     _c("audited", N, "an `inference` row's test samples whose timed outputs were checked against an untimed pass "
-                     "of them (1%, at least 100, chosen by the seed)", version=11),
-    _c("audit_sample", N, "an `inference` row's first audited test sample whose timed output differs "
+                     "of them (1%, at least 100, chosen by the seed); a `scenario` row's timed responses so checked "
+                     "(a seeded 1% of them, at least 100)", version=11),
+    _c("audit_sample", N, "an `inference` or `scenario` row's first audited test sample whose timed output differs "
                           "(`audit_failed`); empty when all agree", version=11),
     _c("mismatch_step", N, "a `greedy` row's first step whose token differs from the reference's before a tie "
                            "(`generation_mismatch`)", version=11),
@@ -168,6 +169,35 @@ DECLARED: tuple[Column, ...] = (
     _c("epochs_to_target", N, "the first epoch whose validation accuracy reached `checks.target_accuracy` (`inf`: "
                               "never), on every row of a cell that trained; compare's convergence verdict reads it",
        version=12),
+    _c("scenario", T, "`--scenario`: the MLPerf scenario the cell's inference ran on LoadGen (`single-stream`, "
+                      "`multi-stream`, `server`, `offline`); empty without it", version=12),
+    _c("latency_p50_ms", N, "a `scenario` row's median latency (LoadGen's; a MultiStream query's, a sample's "
+                            "otherwise, from its issue to its completion)", "ms", 12),
+    _c("latency_p90_ms", N, "its 90th percentile (SingleStream's metric)", "ms", 12),
+    _c("latency_p99_ms", N, "its 99th percentile (MultiStream's metric; Server's bound is on it)", "ms", 12),
+    _c("latency_p999_ms", N, "its 99.9th percentile", "ms", 12),
+    _c("latency_mean_ms", N, "its mean", "ms", 12),
+    _c("early_stopping_ms", N, "LoadGen's early-stopping estimate of the scenario's percentile (p90 SingleStream, "
+                               "p99 MultiStream): an upper bound that holds with 99% confidence at this query count; "
+                               "empty where LoadGen gives none (too few queries, Server, Offline)", "ms", 12),
+    _c("qps", N, "a `scenario` row's completed queries per second (Server, Offline: samples per second)",
+       "queries/s", 12),
+    _c("target_qps", N, "Server: the offered rate of the Poisson arrivals (a peak search's probe rate)", "queries/s",
+       12),
+    _c("latency_bound_ms", N, "Server: the p99 bound LoadGen judged the run by (`--latency-bound-ms`, `--slo-ms`)",
+       "ms", 12),
+    _c("samples_per_query", N, "a `scenario` row's samples per query (MultiStream's N, Offline's whole run)",
+       version=12),
+    _c("query_count", N, "a `scenario` row's queries LoadGen issued and saw complete", version=12),
+    _c("loadgen_valid", T, "LoadGen's own verdict on the run: `valid` or `invalid` (minimum duration and query "
+                           "count, early stopping, Server's latency bound)", version=12),
+    _c("below_mlperf_minimum", F, "the run was shorter than MLPerf's minimum duration (600 s) or query count: "
+                                  "never a compliant result, whatever LoadGen's verdict", version=12),
+    _c("loadgen_log", T, "the folder of LoadGen's `mlperf_log_summary.txt` and `mlperf_log_detail.txt` for the "
+                         "row, relative to the CSV's folder when beside it", version=12),
+    _c("performance_hint", T, "the performance hint the runtime compiled with (OpenVINO's LATENCY or THROUGHPUT, "
+                              "following the scenario); empty where there is none", version=12),
+    _c("probe", N, "`--slo-ms`: the peak search's probe, 1..K, each a LoadGen run at `target_qps`", version=12),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).

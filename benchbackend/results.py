@@ -34,7 +34,7 @@ TRAIN_FLOPS_FACTOR = 3
 #: is ``_migrate``'s docstring.
 COLUMNS = [c.name for c in DECLARED]
 REQUIRED = ["schema_version", "workload", "backend", "device", "repeat", "phase", "epoch", "seconds", "status"]
-PHASES = ("build", "tune", "parity", "train_epoch", "inference", "prefill", "decode", "greedy", "run")
+PHASES = ("build", "tune", "parity", "train_epoch", "inference", "scenario", "prefill", "decode", "greedy", "run")
 #: Cell statuses, best first; "worst" is the highest index. ``pending``: the cell had not ended
 #: when the row was written (a parent killed outright leaves it so). ``retried``: an attempt lost
 #: with its node and run again (``--retries``); its rows are kept for the record and feed nothing.
@@ -374,6 +374,7 @@ def _migrate(df: "Any") -> None:
     - before 12, ``--peak-tflops`` replaced the probe in ``peak_flops`` (``peak_source`` says so; such
       rows keep their figure and MFU, ``best_peaks`` leaves them out); no row had the datasheet's
       columns, ``mfu_missing`` or ``cpu_bf16``: empty;
+    - before 12, no row ran a LoadGen scenario (``--scenario``): its columns are empty;
     - before 11, no row generated (``--generate``): its columns are empty;
     - before 10, no row had ``tokens_per_s`` (no language models): empty;
     - before 9, the machine was not watched: its columns are empty (not measured, never "quiet");

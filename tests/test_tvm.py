@@ -294,10 +294,16 @@ def test_a_searched_schedule_slower_than_the_default_is_not_kept(mnist_tuned: An
     summary = json.loads((folder / "summary.json").read_text())
     planted = [t for t in summary["per_task"] if t["trials"]]
     assert planted, summary
-    for t in planted:
-        assert t["duel_searched_s"] > t["duel_default_s"] and t["chosen"] == "default", t
-    assert summary["searched"] == 0 and (folder / "records.json").read_text().strip() == ""
-    assert notes.endswith("every kernel keeps the default schedule, as tvm:default"), notes
+    for t in planted:  # the rule, task by task: a searched schedule is kept only where it measured faster
+        assert (t["chosen"] == "searched") == (t["duel_searched_s"] < t["duel_default_s"]), t
+    # The largest kernel's scalar loops lose by far (5.3 ms against 0.19 ms measured): the default
+    # stays. A tiny kernel's duel can go either way on a busy machine (a parallel test run saw one), by the same rule.
+    biggest = max(planted, key=lambda t: t["duel_default_s"])
+    assert biggest["chosen"] == "default", biggest
+    kept = sum(t["chosen"] == "searched" for t in planted)
+    assert summary["searched"] == kept and bool((folder / "records.json").read_text().strip()) == bool(kept)
+    if not kept:
+        assert notes.endswith("every kernel keeps the default schedule, as tvm:default"), notes
     assert mnist_tuned._vm is default_vm
 
 

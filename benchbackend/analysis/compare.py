@@ -21,7 +21,12 @@ and ``first-result`` rank both tables on the first dispatch's figures (``timing.
 
 Decision rules: :mod:`benchbackend.analysis.stats`; reductions: ``summary``; warnings: ``caveats``
 (``report_warnings`` here orders them); formatting: ``tables``; generation's (``--generate``: TTFT,
-TPOT, decode tokens/s per prompt length, by the same rule): ``generation``.
+TPOT, decode tokens/s per prompt length, by the same rule): ``generation``; the LoadGen scenarios'
+(``--scenario``: p90, p99, samples/s, peak QPS): ``scenarios``.
+
+Over 400 lines: the ranking, its regressions and the outcome every renderer reads share this room
+with the hand-off to the other analyses (quality gate, convergence, scaling, generation, scenarios),
+which live apart.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import pandas as pd
 
 from .. import results
 from ..errors import ResultsError
-from . import busy, caveats, convergence, experiments, generation, quality, scaling, stats, summary, tables
+from . import busy, caveats, convergence, experiments, generation, quality, scaling, scenarios, stats, summary, tables
 from .caveats import group_name
 from .experiments import CONTEXT_KEYS, GroupKey
 from .summary import INFER_METRICS, METRIC_NAMES, METRICS, TTA
@@ -68,22 +73,23 @@ class CompareOutcome:
     metric: str = "epoch-time"
     fmt: str = "table"
     generation: Optional[pd.DataFrame] = None  # ``generation.rank``'s groups per prompt length
+    scenarios: Optional[pd.DataFrame] = None  # ``scenarios.rank``'s
 
     @cached_property
     def table_text(self) -> str:
         """The terminal table (what ``--format table`` prints)."""
-        return self.text if self.fmt == "table" else tables.render(self.groups, "table", self.warnings, self.metric,
-                                                                   generation=self.generation)
+        return self.text if self.fmt == "table" else tables.render(
+            self.groups, "table", self.warnings, self.metric, generation=self.generation, scenarios=self.scenarios)
 
     @cached_property
     def body(self) -> str:
         """The terminal table without its verdict lines (``run`` prints its warnings between: the verdict is last)."""
         return tables.render(self.groups, "table", self.warnings, self.metric, verdicts=False,
-                             generation=self.generation)
+                             generation=self.generation, scenarios=self.scenarios)
 
     @cached_property
     def verdict(self) -> str:
-        return tables.verdict_lines(self.groups, self.metric, self.generation)
+        return tables.verdict_lines(self.groups, self.metric, self.generation, self.scenarios)
 
 
 def _keys(frame: pd.DataFrame) -> list[GroupKey]:
@@ -298,7 +304,7 @@ def regressions(groups: pd.DataFrame, candidate: tuple[str, ...], factor: float,
 
 def _check_measured(df: pd.DataFrame) -> None:
     """Files with no training, inference or generation row (header only, or only status rows) are an error."""
-    if len(df) and df["phase"].isin(["train_epoch", "inference", *generation.PHASES]).any():
+    if len(df) and df["phase"].isin(["train_epoch", "inference", "scenario", *generation.PHASES]).any():
         return
     files = df.attrs.get("files") or (sorted(set(df["source"])) if "source" in df else [])
     names = ", ".join(Path(f).name for f in files) or "the results given"
@@ -365,9 +371,10 @@ def compare_frame(df: pd.DataFrame, *, baseline: Optional[str] = None, candidate
     _check_format(fmt)
     groups, warnings, code, gen = _analyse(df, baseline, tuple(candidate), fail_on_regression, list(notes or []),
                                            metric, skip_busy)
-    text = tables.render(groups, fmt, warnings, metric, generation=gen)
+    sc = scenarios.rank(groups, experiments.with_experiment(df))
+    text = tables.render(groups, fmt, warnings, metric, generation=gen, scenarios=sc)
     return CompareOutcome(text=text, warnings=warnings, exit_code=code, frame=df, groups=groups, metric=metric,
-                          fmt=fmt, generation=gen)
+                          fmt=fmt, generation=gen, scenarios=sc)
 
 
 def run_compare(paths: list[str], *, baseline: str | None = None, candidate: tuple[str, ...] = (),

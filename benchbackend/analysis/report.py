@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import pandas as pd
 
 from ..errors import ResultsError
-from . import compare, generation, page, plots, plots_generation, plots_scaling, scaling, summary
+from . import compare, generation, page, plots, plots_generation, plots_scaling, plots_scenarios, scaling, summary
 from .busy import BUSY_SHARE
 from .experiments import CONTEXT_KEYS, GROUP_KEYS, LABEL_NAMES, REPEAT_KEYS, context_name, text, with_experiment
 
@@ -108,6 +108,17 @@ def _context_figures(df: pd.DataFrame, timed: pd.DataFrame, ctx: tuple, frame: p
                          "repeats, at the tokens already in the key/value cache; one segment per prompt length; "
                          "dashed and flat: a backend that ran every step in one dispatch (its mean TPOT). Dotted: "
                          "a group that failed a check (not ranked)."))
+    scenario = rows[rows["phase"] == "scenario"]
+    if len(scenario):
+        out.append(Drawn(f"{stem}-latency-cdf", plots_scenarios.latency_cdf_figure(scenario, frame, where),
+                         f"Latency distribution on {where} (--scenario, MLPerf LoadGen): the share of queries "
+                         "completed within each latency, at LoadGen's p50, p90, p99 and p99.9, one line per repeat "
+                         "(its last LoadGen run). Dotted: a group that failed a check (not ranked)."))
+        if pd.to_numeric(scenario["probe"], errors="coerce").notna().any():
+            out.append(Drawn(f"{stem}-peak-search", plots_scenarios.peak_search_figure(scenario, frame, where),
+                             f"Server peak search on {where} (--slo-ms): every probe's p99 latency against its "
+                             "offered rate, filled where LoadGen called the run valid; dashed: the bound; a thin "
+                             "vertical line at each backend's peak (its highest valid rate)."))
     if len(rows[rows["phase"] == "inference"]):
         samples = frame["infer_samples"].max()
         out.append(Drawn(f"{stem}-inference", plots.inference_figure(infer, frame, where, samples),

@@ -1,4 +1,9 @@
-"""Text renderings of a ranked comparison (see ``compare.rank``): terminal, markdown, csv, json."""
+"""Text renderings of a ranked comparison (see ``compare.rank``): terminal, markdown, csv, json.
+
+Over 400 lines: one comparison's every table (training, inference, convergence, scaling) and its
+verdict lines share their cells' formatting here; generation's and the LoadGen scenarios' tables
+live in ``tables_generation`` and ``tables_scenarios``.
+"""
 from __future__ import annotations
 
 import io
@@ -11,6 +16,7 @@ import pandas as pd
 from ..results import TRAIN_FLOPS_FACTOR
 from . import quality, scaling
 from . import tables_generation as generations
+from . import tables_scenarios as scenario_tables
 from .experiments import CONTEXT_KEYS, context_name
 from .stats import CI_LABEL, ESTIMATOR, MIN_REPEATS, RANGE_LABEL, WIDE_SPAN, Ratio
 from .summary import INFER_METRICS, METRIC_NAMES, METRICS, TTA
@@ -240,8 +246,10 @@ def mfu_line(frame: pd.DataFrame) -> str:
     return "; ".join(parts)
 
 
-def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None) -> str:
+def _fastest_line(frame: pd.DataFrame, metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None,
+                  scenarios: Optional[pd.DataFrame] = None) -> str:
     parts, notes = generations.fastest(generations.in_context(generation, frame))
+    parts += scenario_tables.fastest(scenario_tables.in_context(scenarios, frame))
     infer_what = "inference" if metric not in INFER_METRICS else f"inference {METRIC_NAMES[metric]}"
     for prefix, col, what in (("train", METRICS[metric], METRIC_NAMES[metric]),
                               ("infer", INFER_METRICS.get(metric, "infer_s"), infer_what)):
@@ -319,9 +327,11 @@ def _markdown(head: list[str], rows: list[list[str]], left: Optional[set[int]] =
 
 
 def _text(groups: pd.DataFrame, table: Callable[..., str], markdown: bool,
-          metric: str = "epoch-time", verdicts: bool = True, generation: Optional[pd.DataFrame] = None) -> str:
+          metric: str = "epoch-time", verdicts: bool = True, generation: Optional[pd.DataFrame] = None,
+          scenarios: Optional[pd.DataFrame] = None) -> str:
     blocks = [convention(metric=metric)] + ([generations.CONVENTION] if generation is not None and len(generation)
-                                            else [])
+                                            else []) + ([scenario_tables.CONVENTION] if scenarios is not None
+                                                        and len(scenarios) else [])
     for title, what, frame in _contexts(groups):
         parts = [f"### {title}" if markdown else f"== {title} =="]
         about = [line for line in (what, mfu_line(frame)) if line]
@@ -330,7 +340,8 @@ def _text(groups: pd.DataFrame, table: Callable[..., str], markdown: bool,
         trains = frame[~frame["inference_only"].astype(bool)]
         timed_infer = frame["infer_s"].notna().any()
         gen = generations.in_context(generation, frame)
-        if gen is None or frame[["first_s", "steady_s", "infer_s"]].notna().any(axis=None):
+        sc = scenario_tables.in_context(scenarios, frame)
+        if (gen is None and sc is None) or frame[["first_s", "steady_s", "infer_s"]].notna().any(axis=None):
             if len(trains) and (trains[["first_s", "steady_s"]].notna().any(axis=None) or not timed_infer):
                 parts += ["**Training**" if markdown else "Training", table(*_train_rows(trains, metric))]
             if timed_infer or not len(trains):
@@ -341,6 +352,8 @@ def _text(groups: pd.DataFrame, table: Callable[..., str], markdown: bool,
                       table(*_convergence_rows(frame))]
         if gen is not None:
             parts += generations.blocks(gen, table, markdown)
+        if sc is not None:
+            parts += scenario_tables.blocks(sc, table, markdown)
         scaled = scaling.rows(frame) if "replicas" in frame else None
         if scaled is not None:
             parts += ["**Scaling**" if markdown else "Scaling", scaling.SCALING_LINE, table(*scaled)]
@@ -348,15 +361,16 @@ def _text(groups: pd.DataFrame, table: Callable[..., str], markdown: bool,
         if gate:
             parts.append(gate)
         if verdicts:
-            parts.append(_fastest_line(frame, metric, generation))
+            parts.append(_fastest_line(frame, metric, generation, scenarios))
         blocks.append(("\n\n" if markdown else "\n").join(parts))
     return "\n\n".join(blocks) + "\n"
 
 
-def verdict_lines(groups: pd.DataFrame, metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None) -> str:
+def verdict_lines(groups: pd.DataFrame, metric: str = "epoch-time", generation: Optional[pd.DataFrame] = None,
+                  scenarios: Optional[pd.DataFrame] = None) -> str:
     """Each comparison's verdict (its fastest correct backend, and any quicker one that failed
     its checks), named by the comparison: what ``run`` ends with, after the warnings."""
-    return "\n".join(f"{context_name(ctx)}: {_fastest_line(frame, metric, generation)}"
+    return "\n".join(f"{context_name(ctx)}: {_fastest_line(frame, metric, generation, scenarios)}"
                      for ctx, frame in groups.groupby(CONTEXT_KEYS, sort=False))
 
 
@@ -371,24 +385,27 @@ def records(groups: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def render(groups: pd.DataFrame, fmt: str, warnings: list[str], metric: str = "epoch-time",
-           verdicts: bool = True, generation: Optional[pd.DataFrame] = None) -> str:
+           verdicts: bool = True, generation: Optional[pd.DataFrame] = None,
+           scenarios: Optional[pd.DataFrame] = None) -> str:
     """Render ``groups`` (from ``compare.rank``) as table, markdown, csv or json; json holds the
     metric, the estimator (``stats.ESTIMATOR``: of every time and, as their ratio, every speed-up)
     and the warnings too, the other formats leave the warnings to the caller. A table
     without ``verdicts`` leaves out each section's "fastest correct" line (``verdict_lines``).
     ``generation`` (``generation.rank``) adds each context's generation tables (json: its records;
-    csv holds the groups only)."""
+    csv holds the groups only); ``scenarios`` (``scenarios.rank``) each context's LoadGen scenario tables."""
     if fmt == "table":
-        return _text(groups, _aligned, markdown=False, metric=metric, verdicts=verdicts, generation=generation)
+        return _text(groups, _aligned, markdown=False, metric=metric, verdicts=verdicts, generation=generation,
+                     scenarios=scenarios)
     if fmt == "markdown":
-        return _text(groups, _markdown, markdown=True, metric=metric, generation=generation)
+        return _text(groups, _markdown, markdown=True, metric=metric, generation=generation, scenarios=scenarios)
     if fmt == "csv":
         buf = io.StringIO()
         pd.DataFrame(records(groups)).to_csv(buf, index=False)
         return buf.getvalue()
     if fmt == "json":
         return json.dumps({"metric": metric, "estimator": ESTIMATOR, "groups": records(groups), "warnings": warnings,
-                           **({"generation": records(generation)} if generation is not None else {})},
+                           **({"generation": records(generation)} if generation is not None else {}),
+                           **({"scenarios": records(scenarios)} if scenarios is not None and len(scenarios) else {})},
                           indent=2) + "\n"
     raise ValueError(f"unknown format {fmt!r}")
 

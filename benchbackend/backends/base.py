@@ -91,6 +91,7 @@ class Options:
     #: the cell's worker starts the other replicas itself.
     rank: int = 0
     rendezvous: str = ""
+    loadgen_dir: str = ""  # --scenario: LoadGen's logs beside the CSV ("": a temporary folder)
 
 
 def as_options(options: "Options | Mapping[str, Any] | None") -> Options:
@@ -159,6 +160,11 @@ class Backend(ABC):
     def to_device(self, x: np.ndarray) -> Any:
         """``x`` (float32 NHWC) where ``scores`` wants it. Default: the host array itself."""
         return x
+
+    def take(self, x: Any, indices: np.ndarray) -> Any:
+        """Samples ``indices`` of ``x`` (``to_device``'s) gathered where ``scores`` reads them, inside the
+        clock (``run/scenario.py``); None: the worker copies them from the host (``to_device``, noted)."""
+        return x[indices] if isinstance(x, np.ndarray) else None
 
     @abstractmethod
     def scores(self, x: Any, batch_size: int) -> Any:

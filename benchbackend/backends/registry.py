@@ -124,6 +124,8 @@ BACKENDS: dict[str, BackendSpec] = {
                            Mode("throughput", "PERFORMANCE_HINT=THROUGHPUT: batches in flight on parallel streams")),
                     precisions=("fp32", "bf16"), trains=False, extra="openvino", devices=("cpu", "gpu", "gpu:N"),
                     capabilities=Capabilities(thread_control=True),
+                    scenario_modes=(("single-stream", "latency"), ("multi-stream", "latency"),
+                                    ("server", "throughput"), ("offline", "throughput")),
                     builds=CNN_LAYERS + TRANSFORMER_LAYERS + DECODER_LAYERS),
         BackendSpec("tvm", _adapter("tvm.adapter", "TVMBackend"), ("tvm",), "apache-tvm",
                     "pip install 'benchbackend[tvm]'",

@@ -120,6 +120,9 @@ class BackendSpec:
     builds: tuple[str, ...] = CNN_LAYERS
     #: Why it does not build the rest (the framework lacks the ops, say); "" for "not yet".
     builds_note: str = ""
+    #: ``--scenario``: the mode each scenario runs in where ``--mode`` names none of this backend's
+    #: (OpenVINO's latency or throughput hint follows the scenario); a scenario not named: the default mode.
+    scenario_modes: tuple[tuple[str, str], ...] = ()
 
     def cannot_build(self, words: Any, mode: Optional[str] = None) -> str:
         """Why its adapter cannot build a network of ``words`` (``model.vocabulary``) in ``mode``

@@ -356,7 +356,7 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
             if msg:
                 return "parity_mismatch", f"{msg} ({precision})"
     for r in rows:
-        if r.get("phase") == "inference" and finite(r.get("audit_sample")):
+        if r.get("phase") in ("inference", "scenario") and finite(r.get("audit_sample")):
             return "audit_failed", (r.get("notes") or
                                     f"timed pass {r.get('pass')} differs at test sample {r['audit_sample']}")
     for r in rows:

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional, Sequence
 from ..backends import registry as backends
 from ..backends.base import Options
 from ..errors import BackendUnavailable, WorkloadError
+from ..spec.loadgen import with_scenario
 from ..spec.workload import Workload, load
 from ..spec.workload import resolve as workload_path
 
@@ -42,6 +43,9 @@ class Choice:
     replicas: int = 1
     #: ``--threads N`` (a sweep when repeated): the cell's intra-op threads; None: every core.
     threads: Optional[int] = None
+    #: ``--mode`` named this mode; False: the backend's default, which a ``--scenario`` may change
+    #: (``BackendSpec.scenario_modes``).
+    mode_given: bool = True
 
 
 @dataclass
@@ -123,10 +127,15 @@ def cells(plan: RunPlan) -> list[Cell]:
 
 
 def _buildable(w: Workload, choice: Choice) -> Choice:
-    """``choice``, with a ``problem`` when its backend's adapter cannot build ``w``'s network."""
+    """``choice``, with a ``problem`` when its backend's adapter cannot build ``w``'s network, and
+    in the mode its backend names for ``w``'s scenario (``BackendSpec.scenario_modes``) unless
+    ``--mode`` chose one."""
     from ..spec.model import vocabulary
 
     spec = backends.BACKENDS.get(choice.backend)
+    scenario = w.loadgen.scenario if w.loadgen is not None else None
+    if spec is not None and scenario and not choice.mode_given:  # OpenVINO's hint follows the scenario
+        choice = replace(choice, mode=dict(spec.scenario_modes).get(scenario, choice.mode))
     why = "" if choice.problem or spec is None else spec.cannot_build(vocabulary(w), choice.mode)
     return replace(choice, problem=why) if why else choice
 
@@ -137,11 +146,13 @@ def _split(item: str) -> tuple[Optional[str], str]:
 
 
 def load_workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], generate: Optional[dict[str, Any]] = None,
+                   scenarios: Sequence[str] = (), loadgen: Optional[dict[str, Any]] = None,
                    **overrides: Any) -> list[Workload]:
     """The workloads named, with the command line's overrides, one per batch size of a sweep;
     a network that does not fit its input is a ``WorkloadError`` naming the layer. ``generate``:
     ``--generate``'s overrides (``Workload.for_generation``; a batch size of the sweep is the
-    generation's batch too)."""
+    generation's batch too). ``scenarios``: ``--scenario``, one copy of each workload per scenario
+    with ``loadgen``'s overrides (``spec/loadgen.py``): each scenario is its own experiment."""
     from ..spec.model import describe
 
     loaded = []
@@ -154,7 +165,7 @@ def load_workloads(names: tuple[str, ...], batch_sizes: tuple[int, ...], generat
                 describe(w)
             except ValueError as exc:  # named by its file, as the workload's other errors are
                 raise WorkloadError(f"{workload_path(name)}: {exc}") from None
-            loaded.append(w)
+            loaded.extend([with_scenario(w, s, **(loadgen or {})) for s in dict.fromkeys(scenarios)] or [w])
     return loaded
 
 
@@ -206,7 +217,7 @@ def resolve(names: list[str], modes: list[str], precisions: list[str], device: s
                                f"{device} has none: use --precision fp32")
                 if not s.accepts(device):
                     problem = f"{s.name} does not take --device {device}; it takes {', '.join(s.devices)}"
-                out.append(Choice(s.name, mode, precision, problem))
+                out.append(Choice(s.name, mode, precision, problem, mode_given=bool(chosen[s.name])))
     return out
 
 

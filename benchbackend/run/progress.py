@@ -27,14 +27,17 @@ def kind(cell: "Cell") -> tuple[str, str]:
 
 
 def _names(cell: "Cell") -> tuple[str, str]:
-    """(``mnist`` or ``mnist b128`` in a batch sweep, ``torch:eager/fp32``, ``torch:eager/fp32 x2``
+    """(``mnist``, ``mnist b128`` in a batch sweep or ``mnist server`` with ``--scenario``;
+    ``torch:eager/fp32``, ``torch:eager/fp32 x2``
     for 2 replicas, ``torch:eager/fp32 t1`` for ``--threads 1``): how the log lines and the summary
     name a cell's experiment and choice."""
     c = cell.choice
     sweep = f" b{cell.workload.training.batch_size}" if cell.sweep else ""
     many = f" x{c.replicas}" if c.replicas > 1 else ""
     threads = f" t{c.threads}" if c.threads else ""
-    return cell.workload.name + sweep, f"{c.backend}:{c.mode}/{c.precision}{many}{threads}"
+    lg = cell.workload.loadgen
+    scenario = f" {lg.scenario}" if lg is not None and lg.scenario else ""
+    return cell.workload.name + sweep + scenario, f"{c.backend}:{c.mode}/{c.precision}{many}{threads}"
 
 
 def tag(cell: "Cell") -> str:
@@ -278,6 +281,8 @@ def row_line(row: dict[str, Any], workload: Any, inference_seconds: list[float])
         mode = f" ({row['notes']})" if row.get("notes") else ""
         return (f"parity vs NumPy reference{mode}: max abs {row['parity_max_abs']:.2g}, "
                 f"max rel {row['parity_max_rel']:.2g}")
+    if phase == "scenario":
+        return scenario_line(row)
     if phase == "inference" and len(inference_seconds) == workload.inference.repeats:
         steady = inference_seconds[1:] or inference_seconds
         return (f"inference x{len(inference_seconds)}: first {inference_seconds[0]:.3f}s, "
@@ -321,7 +326,23 @@ def summary_line(result: Any, generated: Sequence[Generated] = ()) -> str:
     name, choice = _names(cell)
     head = f"{name:<10} {choice:<28} {result.device:<8} r{cell.repeat}"
     tail = f"  {result.message}" if result.message and result.status != "ok" else ""
+    if result.scenario:  # a LoadGen scenario replaced the inference passes
+        return f"{head}  {result.status:<16} {result.scenario}{tail}"
     if generated or getattr(result, "generates", False):
         figures = "; ".join(g.text() for g in generated) or "generation n/a"
         return f"{head}  {result.status:<16} {figures}{tail}"
     return f"{head}  {result.status:<16} {epoch}  {acc}  {inf}{tail}"
+
+
+def scenario_line(row: dict[str, Any]) -> str:
+    """A LoadGen run's line: its percentiles or rate, LoadGen's verdict, the label of a short run."""
+    def ms(key: str) -> str:
+        return "-" if row.get(key) is None else f"{row[key]:.3g}ms"
+
+    probe = f" probe {row['probe']:g} at {row['target_qps']:.4g} QPS" if row.get("probe") is not None else (
+        f" at {row['target_qps']:.4g} QPS" if row.get("target_qps") else "")
+    rate = row.get("samples_per_s")
+    short = ", below MLPerf's minimum" if row.get("below_mlperf_minimum") else ""
+    return (f"{row.get('scenario')}{probe}: p50 {ms('latency_p50_ms')} p90 {ms('latency_p90_ms')} p99 "
+            f"{ms('latency_p99_ms')}, {rate or 0:,.0f} samples/s, LoadGen {str(row.get('loadgen_valid')).upper()}"
+            f"{short}")

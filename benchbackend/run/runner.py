@@ -66,6 +66,8 @@ class CellResult:
     inference_seconds: list[float] = field(default_factory=list)
     #: The cell generates (``--generate``): its summary line gives its generation figures.
     generates: bool = False
+    #: ``--scenario``: its last LoadGen run's line (``progress.scenario_line``), which the summary gives.
+    scenario: str = ""
 
     @property
     def backend(self) -> str:
@@ -105,8 +107,14 @@ def definition(w: Workload, source: str) -> str:
     g = w.generation  # set by --generate (or the YAML): what a generation measures
     generate = "" if g is None else (f" prompt={','.join(map(str, g.prompt_tokens))} new_tokens={g.new_tokens} "
                                      f"gen_batch={g.batch_size} passes={g.passes} cache={g.cache}")
+    lg = w.loadgen  # set by --scenario (or the YAML): what a LoadGen run measures
+    scenario = "" if lg is None or not lg.scenario else (
+        f" scenario={lg.scenario} min_duration={lg.min_duration_s:g}s min_queries={lg.queries(lg.scenario)}"
+        + {"multi-stream": f" samples_per_query={lg.multistream_samples}",
+           "server": f" latency_bound={lg.server_latency_ms:g}ms" + (f" slo={lg.slo_ms:g}ms" if lg.slo_ms else "")
+           + (f" target_qps={lg.server_target_qps:g}" if lg.server_target_qps else "")}.get(lg.scenario, ""))
     return (f"train={d.train} val={d.validation} test={d.test} epochs={t.epochs} batch={t.batch_size} "
-            f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}{target}{generate}")
+            f"infer_batch={w.inference.batch_size} seed={w.seed} data={source}{target}{generate}{scenario}")
 
 
 def _quality(w: Workload) -> dict[str, Any]:
@@ -219,9 +227,11 @@ class Runner:
 
     def _options(self, choice: Choice) -> Options:
         """The run's options for a cell: its threads (``--threads``, a sweep), split between its
-        replicas (``replicas``)."""
+        replicas (``replicas``), and where LoadGen's logs go (``--scenario``: ``<csv stem>-loadgen``)."""
         n, threads = choice.replicas, choice.threads or self.plan.options.threads
-        return replace(self.plan.options, replicas=n, threads=replicas.threads_per_replica(threads, n))
+        logs = str(self.writer.path.with_name(self.writer.path.stem + "-loadgen").resolve())
+        return replace(self.plan.options, replicas=n, threads=replicas.threads_per_replica(threads, n),
+                       loadgen_dir=logs)
 
     def _key(self, cell: Cell) -> resume.CellKey:
         c, w = cell.choice, cell.workload
@@ -287,7 +297,7 @@ class Runner:
                 "replicas": c.replicas, "threads": self._options(c).threads, "scale_lr": self.plan.options.scale_lr,
                 "scaling": self.plan.options.scaling if c.replicas > 1 else "strong",
                 "peak_datasheet_flops": self.plan.options.peak_tflops * 1e12 if self.plan.options.peak_tflops else None,
-                **_quality(w)}
+                "scenario": w.loadgen.scenario if w.loadgen is not None else None, **_quality(w)}
         self.open[cell.order] = _Open(CellResult(cell, self.plan.device, generates=self.plan.generate), base)
         if attempt == 1:
             self.display.cell_started(cell)
@@ -306,6 +316,9 @@ class Runner:
                                                                  cell.choice.precision, b.get("peak_datasheet_flops")))
             if b.get("peak_flops") and done > b["peak_flops"]:
                 self._peak_too_low(state, done / b["peak_flops"])
+        if row.get("loadgen_log"):  # beside the CSV: named from its folder, so that the two move together
+            with contextlib.suppress(ValueError):
+                row["loadgen_log"] = str(Path(row["loadgen_log"]).relative_to(self.writer.path.resolve().parent))
         if cell.workload.next_token and row.get("samples_per_s"):  # a sequence is `context` tokens
             row["tokens_per_s"] = row["samples_per_s"] * cell.workload.input_shape[0]
         full = {**state.base, **row, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -319,6 +332,8 @@ class Runner:
         elif row.get("phase") == "inference":
             result.inference_seconds.append(row["seconds"])
         line = progress.row_line(row, cell.workload, result.inference_seconds)
+        if row.get("phase") == "scenario" and line:
+            result.scenario = line
         if line:
             self.display.note(f"{progress.tag(cell)} {line}")
 

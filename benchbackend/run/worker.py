@@ -27,6 +27,7 @@ backend trains) timed epochs, each followed by an untimed validation pass, and t
 passes; or, with ``--generate``, instead of training and inference, the generation passes
 (``run/generation.py``). Every timed region ends with the result materialized on the host and the device synced,
 by this module, not the adapter. A NaN/inf training loss stops training (the rows are kept).
+With ``--scenario`` the inference passes are an MLPerf scenario on LoadGen instead (``run/scenario.py``).
 
 Over 400 lines: a cell's whole order, build to the last pass, reads top to bottom in this one
 module (the clock, the sync and what the first dispatch cost are ``timing``'s).
@@ -265,6 +266,10 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit, started: float) -> N
         return
     if job.trains and not _train(cell, base):
         return  # nan_loss: stop this repeat; its rows are kept
+    if workload.loadgen is not None and workload.loadgen.scenario:  # --scenario: MLPerf LoadGen's instead
+        from . import scenario
+
+        return scenario.run(cell, base, _memory, job)
     _infer(cell, base)
 
 

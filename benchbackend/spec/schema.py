@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from .layers import LAYER_CLASSES, Rope
+from .loadgen import LoadgenSpec
 from .quality import QualitySpec
 from .workload import (
     ChecksSpec,
@@ -40,7 +41,7 @@ END = "<!-- END workload reference -->"
 SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("(top level)", Workload), ("data", DataSpec), ("training", TrainingSpec),
     ("training.weight_decay", WeightDecay), ("inference", InferenceSpec),
-    ("generation", GenerationSpec), ("checks", ChecksSpec), ("quality", QualitySpec),
+    ("generation", GenerationSpec), ("loadgen", LoadgenSpec), ("checks", ChecksSpec), ("quality", QualitySpec),
     ("checks.parity_tolerance.PRECISION", Tolerance), ("checks.trajectory_tolerance.PRECISION", TrajectoryTolerance))
 #: What a field means, where its model gives no description: "section.field" (layers: "TYPE.field").
 NOTES = {
@@ -52,6 +53,8 @@ NOTES = {
     "(top level).inference": "see `inference`",
     "(top level).checks": "see `checks`",
     "(top level).quality": "what a cell's result must reach to count (the quality gate): see `quality`",
+    "(top level).loadgen": "`--scenario`'s settings (MLPerf LoadGen; docs/scenarios.md): see `loadgen`; unset: "
+                           "its defaults",
     "(top level).generation": "`--generate`'s settings (decoder language models; docs/generation.md): see "
                               "`generation`; unset: its defaults",
     "data.dataset": "`mnist`, `cifar10`: the canonical files (or stand-ins with `--data synthetic`); "

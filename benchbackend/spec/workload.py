@@ -42,6 +42,7 @@ from .layers import (
     Strict,
     activation_of,
 )
+from .loadgen import LoadgenSpec
 from .quality import QualitySpec
 from .repeat import expand_repeats
 
@@ -295,6 +296,8 @@ class Workload(_Strict):
     quality: QualitySpec = QualitySpec()
     #: Set by ``--generate`` (with its overrides) or written in the YAML; None: the defaults.
     generation: Optional[GenerationSpec] = None
+    #: ``--scenario``'s settings (MLPerf LoadGen, ``spec/loadgen.py``), set by it or the YAML; None: unset.
+    loadgen: Optional[LoadgenSpec] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -331,10 +334,10 @@ class Workload(_Strict):
 
     def hash(self) -> str:
         """Short content hash of everything that changes what is measured (not the description, nor
-        the quality gate, which judges; not an absent ``generation``, so that the hashes from before
-        it existed still hold)."""
-        payload = self.model_dump(mode="json", exclude={"description", "quality"}
-                                  | ({"generation"} if self.generation is None else set()))
+        the quality gate, which judges; not an absent ``generation`` or ``loadgen``, so that the hashes
+        from before they existed still hold)."""
+        absent = {name for name in ("generation", "loadgen") if getattr(self, name) is None}
+        payload = self.model_dump(mode="json", exclude={"description", "quality"} | absent)
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 

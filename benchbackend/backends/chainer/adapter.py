@@ -178,6 +178,9 @@ class ChainerBackend(CupyMemory, Backend):
             return self._held(np.ascontiguousarray(x))
         return self._held(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
 
+    def take(self, x: Any, indices: np.ndarray) -> Any:
+        return x[indices]
+
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         self.x_train = self.to_device(x_train)
         self.y_train = self._held(np.asarray(y_train, np.int32))

@@ -298,6 +298,9 @@ class JaxBackend(Generates, Backend):
     def to_device(self, x: np.ndarray) -> Any:
         return self._put(np.ascontiguousarray(x, np.float32))
 
+    def take(self, x: jax.Array, indices: np.ndarray) -> jax.Array:
+        return jnp.take(x, jnp.asarray(indices), axis=0)
+
     def _feed(self, a: Any, start: int, size: int) -> tuple[Any, np.int32]:
         """(array, offset) to read ``size`` rows at: the device array, or the rows copied there now."""
         if self.data_on_device:

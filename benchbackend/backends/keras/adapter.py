@@ -140,6 +140,9 @@ class KerasBackend(KerasGeneration, Backend):
     def to_device(self, x: np.ndarray) -> Any:
         return self._put(np.ascontiguousarray(x, np.float32))
 
+    def take(self, x: Any, indices: np.ndarray) -> Any:
+        return keras.ops.take(x, indices, axis=0)
+
     def to_host(self, value: Any) -> Any:
         return keras.ops.convert_to_numpy(value)  # a torch tensor on a GPU too (np.asarray would refuse it)
 

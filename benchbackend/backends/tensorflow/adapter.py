@@ -179,6 +179,10 @@ class TensorFlowBackend(KerasGeneration, Backend):
         with tf.device(self._held()):
             return tf.constant(x, tf.float32)
 
+    def take(self, x: tf.Tensor, indices: np.ndarray) -> tf.Tensor:
+        with tf.device(self._held()):
+            return tf.gather(x, indices)
+
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         with tf.device(self._held()):
             self.x_train = tf.constant(x_train, tf.float32)

@@ -298,6 +298,9 @@ class TorchBackend(Backend):
             return torch.from_numpy(np.ascontiguousarray(x)).permute(0, 3, 1, 2).to(self._held())
         return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).to(self._held())
 
+    def take(self, x: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
+        return x.index_select(0, torch.from_numpy(indices).to(x.device))
+
     def set_data(self, x_train: np.ndarray, y_train: np.ndarray) -> None:
         self.x_train = self.to_device(x_train)
         self.y_train = torch.from_numpy(y_train.astype(np.int64)).to(self._held())

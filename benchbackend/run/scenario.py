@@ -1,0 +1,348 @@
+"""MLPerf's inference scenarios, driven by MLPerf's LoadGen, inside the worker (``--scenario``;
+docs/scenarios.md).
+
+The system under test (SUT) is the adapter's inference on a query's samples: LoadGen's thread
+hands a query to :class:`Sut`, which queues it for one serving thread (so a Server query that
+arrives while another is served waits, as it would at a real server); that thread gathers the
+query's samples from the test split already on the device (``Backend.take``), calls ``scores``,
+brings the outputs to the host and syncs the device, and only then tells LoadGen the query is
+complete. The sync is this module's, not the adapter's, as it is for every timed region. The query
+sample library (QSL) is the test split, every sample of it loaded (placed before the clock by the
+placement rule).
+
+Each LoadGen run is one ``scenario`` row: LoadGen's latency percentiles, early-stopping estimate,
+queries and samples per second, its own VALID/INVALID verdict, and the folder of its summary and
+detail logs. A share of the timed responses (1%, at least 100: a seeded reservoir over all of
+them) is audited against an untimed pass of the same samples (``checks.audit``): a backend that
+caches, skips or returns stale outputs while timed ends ``audit_failed``. With ``slo_ms`` the
+Server's target rate is searched (:func:`search`), each probe a LoadGen run and a row.
+"""
+from __future__ import annotations
+
+import json
+import math
+import queue
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+PHASE = "scenario"
+LOADGEN = {"single-stream": "SingleStream", "multi-stream": "MultiStream", "server": "Server", "offline": "Offline"}
+#: LoadGen's percentiles (its detail log's ``result_<p>_percentile_latency_ns``) -> our columns.
+PERCENTILES = {"50.00": "latency_p50_ms", "90.00": "latency_p90_ms", "99.00": "latency_p99_ms",
+               "99.90": "latency_p999_ms"}
+#: Untimed calls of the query's shape before LoadGen starts: the first calls carry tracing and allocation.
+WARMUP_CALLS = 3
+
+
+@dataclass
+class Reservoir:
+    """A uniform, seeded sample of ``size`` of the timed responses (Algorithm R): (sample index, output)."""
+
+    size: int
+    seed: int
+    seen: int = 0
+    kept: list[tuple[int, np.ndarray]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng([self.seed % 2**32, 39])
+
+    def offer(self, index: int, output: np.ndarray) -> None:
+        self.seen += 1
+        if len(self.kept) < self.size:
+            self.kept.append((index, output.copy()))
+            return
+        j = int(self.rng.integers(self.seen))
+        if j < self.size:
+            self.kept[j] = (index, output.copy())
+
+
+class Sut:
+    """The system under test: one serving thread that runs each query's samples through the adapter."""
+
+    def __init__(self, cell: Any, chunk: int):
+        self.cell, self.backend, self.chunk = cell, cell.backend, chunk
+        self.x_host = cell.arrays["x_test"]
+        self.x_dev = cell.on_device("test")
+        self.reservoir: Optional[Reservoir] = None
+        self.gathers = True  # the adapter gathers on the device (``Backend.take``); else copied from the host
+        self.error: Optional[BaseException] = None
+
+    def gather(self, idx: np.ndarray) -> Any:
+        got = self.backend.take(self.x_dev, idx)
+        if got is None:
+            self.gathers = False
+            got = self.backend.to_device(self.x_host[idx])
+        return got
+
+    def infer(self, idx: np.ndarray) -> np.ndarray:
+        """The outputs of samples ``idx`` on the host, the device synced: what LoadGen gets."""
+        b = self.backend
+        out = b.to_host(b.scores(self.gather(idx), len(idx)))
+        b.sync()
+        return np.ascontiguousarray(out, np.float32)
+
+    def serve(self, lg: Any, samples: list[Any]) -> None:
+        idx = np.fromiter((s.index for s in samples), np.int64, len(samples))
+        for start in range(0, len(idx), self.chunk):
+            part = idx[start:start + self.chunk]
+            out = self.infer(part)
+            if self.reservoir is not None:
+                for i, k in enumerate(part):
+                    self.reservoir.offer(int(k), out[i])
+            row = out[0].nbytes if len(out) else 0
+            lg.QuerySamplesComplete([lg.QuerySampleResponse(samples[start + i].id, out.ctypes.data + i * row, row)
+                                     for i in range(len(part))])
+
+    def run(self, lg: Any, settings: Any, logs: Path, reservoir: Reservoir) -> tuple[dict[str, Any], float]:
+        """One LoadGen run: (its detail log's values, wall seconds of the test)."""
+        self.reservoir = reservoir
+        work: queue.Queue = queue.Queue()
+
+        def loop() -> None:
+            while True:
+                samples = work.get()
+                if samples is None:
+                    return
+                try:
+                    self.serve(lg, samples)
+                except BaseException as exc:  # noqa: BLE001 - LoadGen waits for completions: answer, then raise
+                    self.error = self.error or exc
+                    lg.QuerySamplesComplete([lg.QuerySampleResponse(s.id, 0, 0) for s in samples])
+
+        server = threading.Thread(target=loop, name="benchbackend-sut", daemon=True)
+        server.start()
+        sut = lg.ConstructSUT(lambda samples: work.put(list(samples)), lambda: None)
+        n = len(self.x_host)
+        qsl = lg.ConstructQSL(n, n, lambda s: None, lambda s: None)  # placed already: the placement rule
+        out = lg.LogOutputSettings()
+        out.outdir, out.copy_summary_to_stdout = str(logs), False
+        log = lg.LogSettings()
+        log.log_output, log.enable_trace = out, False
+        logs.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        try:
+            lg.StartTestWithLogSettings(sut, qsl, settings, log)
+        finally:
+            seconds = time.perf_counter() - start
+            work.put(None)
+            server.join()
+            lg.DestroyQSL(qsl)
+            lg.DestroySUT(sut)
+            self.reservoir = None
+        if self.error is not None:
+            raise self.error
+        return detail(logs / "mlperf_log_detail.txt"), seconds
+
+
+def detail(path: Path) -> dict[str, Any]:
+    """The values of LoadGen's detail log (``:::MLLOG {json}`` lines), by key (the last of each)."""
+    values: dict[str, Any] = {}
+    with open(path) as fh:
+        for line in fh:
+            if line.startswith(":::MLLOG "):
+                entry = json.loads(line[len(":::MLLOG "):])
+                values[entry["key"]] = entry["value"]
+    return values
+
+
+def settings(lg: Any, spec: Any, scenario: str, expected_s: float, rate: float, target_qps: Optional[float],
+             bound_ms: float, samples: int) -> Any:
+    """LoadGen's ``TestSettings`` of one performance run. ``expected_s``: one query's latency and
+    ``rate``: samples/s of back-to-back batches, both measured untimed (LoadGen sizes the run by them)."""
+    s = lg.TestSettings()
+    s.scenario = getattr(lg.TestScenario, LOADGEN[scenario])
+    s.mode = lg.TestMode.PerformanceOnly
+    s.min_duration_ms = int(round(spec.min_duration_s * 1000))
+    s.min_query_count = spec.queries(scenario)
+    s.performance_sample_count_override = samples
+    ns = max(int(expected_s * 1e9 / 2), 1000)  # LoadGen pre-generates queries by it: too few and the run ends short
+    s.single_stream_expected_latency_ns = ns
+    s.multi_stream_expected_latency_ns = ns
+    s.multi_stream_samples_per_query = spec.multistream_samples
+    s.offline_expected_qps = max(2 * rate, 1.0)  # too few samples and the run ends short of min_duration
+    if target_qps is not None:
+        s.server_target_qps = target_qps
+    s.server_target_latency_ns = int(bound_ms * 1e6)
+    return s
+
+
+def _number(values: dict[str, Any], key: str, scale: float = 1.0) -> Optional[float]:
+    v = values.get(key)
+    return None if v is None else float(v) * scale
+
+
+def figures(values: dict[str, Any], scenario: str, wall: float) -> dict[str, Any]:
+    """The row's columns from LoadGen's detail log: percentiles (ms; a MultiStream query's), the
+    early-stopping estimate, queries and samples per second, query and sample counts, LoadGen's
+    verdict. ``wall``: the run's seconds, for the rates LoadGen's log does not give (MultiStream)."""
+    out: dict[str, Any] = {col: _number(values, f"result_{p}_percentile_latency_ns", 1e-6)
+                           for p, col in PERCENTILES.items()}
+    out["latency_mean_ms"] = _number(values, "result_mean_latency_ns", 1e-6)
+    early = next((values[k] for k in ("early_stopping_latency_ss", "early_stopping_latency_ms",
+                                      "early_stopping_latency_ns") if values.get(k)), None)
+    out["early_stopping_ms"] = None if early is None else float(early) * 1e-6
+    per_query = int(values.get("generated_samples_per_query") or 1)
+    count = values.get("result_query_count", values.get("generated_query_count"))
+    out["query_count"] = None if count is None else float(count)
+    out["samples"] = None if count is None else float(count) * per_query
+    if scenario == "offline":
+        qps = sps = _number(values, "result_samples_per_second")
+    elif scenario == "server":
+        qps = sps = _number(values, "result_completed_samples_per_sec")
+    else:
+        qps = _number(values, "result_qps_with_loadgen_overhead")
+        if qps is None and count and wall > 0:
+            qps = float(count) / wall
+        sps = None if qps is None else qps * per_query
+    out.update(qps=qps, samples_per_s=sps, samples_per_query=per_query,
+               loadgen_valid=str(values.get("result_validity", "")).lower() or None)
+    return out
+
+
+class Scenario:
+    """One repeat's scenario runs: measure what LoadGen needs to size them, run, audit, emit."""
+
+    def __init__(self, cell: Any, base: dict[str, Any], memory: Callable[[Any], dict[str, Any]], logs: Path,
+                 tag: str):
+        import mlperf_loadgen as lg
+
+        self.lg, self.cell, self.base, self.memory, self.logs, self.tag = lg, cell, base, memory, logs, tag
+        w = cell.workload
+        self.spec, self.name = w.loadgen, w.loadgen.scenario
+        self.per_query = {"multi-stream": self.spec.multistream_samples, "offline": w.inference.batch_size}.get(
+            self.name, 1)
+        self.sut = Sut(cell, self.per_query)
+        self.n = len(cell.arrays["x_test"])
+        hint = cell.backend.details().get("performance_hint")
+        self.hint = None if hint is None else str(hint).split(".")[-1]
+
+    def warm(self) -> tuple[float, float]:
+        """Untimed: the query's shape a few times (warm-up), then (seconds of one query, samples/s)."""
+        rng = np.random.default_rng([self.cell.workload.seed % 2**32, 40])
+        size = min(self.per_query, self.n)
+        times = []
+        for _ in range(WARMUP_CALLS + 5):
+            idx = rng.choice(self.n, size=size, replace=False)
+            start = time.perf_counter()
+            self.sut.infer(idx)
+            times.append(time.perf_counter() - start)
+        one = float(np.median(times[WARMUP_CALLS:]))
+        return one, size / one
+
+    def one(self, target_qps: Optional[float], bound_ms: float, expected_s: float, rate: float,
+            probe: Optional[int] = None) -> dict[str, Any]:
+        """One LoadGen run, audited, as a row (emitted)."""
+        from .checks import audit
+
+        folder = self.logs / (self.tag + (f"-probe{probe:02d}" if probe is not None else ""))
+        s = settings(self.lg, self.spec, self.name, expected_s, rate, target_qps, bound_ms, self.n)
+        expected = max(self.spec.queries(self.name) * self.per_query, self.spec.min_duration_s * rate)
+        reservoir = Reservoir(max(100, math.ceil(0.01 * expected)), self.cell.workload.seed)
+        values, wall = self.sut.run(self.lg, s, folder, reservoir)
+        row = {**self.base, "phase": PHASE, "scenario": self.name,
+               "target_qps": target_qps if self.name == "server" else None,
+               "latency_bound_ms": bound_ms if self.name == "server" else None,
+               "below_mlperf_minimum": self.spec.below_mlperf_minimum, "loadgen_log": str(folder),
+               "performance_hint": self.hint, "probe": probe, **figures(values, self.name, wall)}
+        row["seconds"] = (row["samples"] / row["samples_per_s"]) if row["samples"] and row["samples_per_s"] else wall
+        notes = []
+        kept = reservoir.kept
+        row["audited"] = len(kept)
+        if kept:
+            idx = np.array([k for k, _ in kept])
+            untimed = self.cell.forward(self.cell.arrays["x_test"][idx])
+            tol = self.cell.workload.checks.tolerance(self.cell.backend.precision)
+            found = audit(np.stack([o for _, o in kept]), untimed, tol.rtol, tol.atol)
+            if found is not None:
+                row["audit_sample"] = sample = int(idx[found[0]])
+                notes.append(f"{self.name} run{'' if probe is None else f' (probe {probe})'}, test sample {sample}: "
+                             f"{found[1]} from an untimed pass of the audited samples")
+        if len(kept) < 100:
+            notes.append(f"{len(kept)} timed responses audited (fewer than 100 in the run)")
+        if not self.sut.gathers:
+            notes.append("each query's samples copied from the host inside the clock (the adapter has no on-device "
+                         "gather)")
+        if self.spec.below_mlperf_minimum:
+            notes.append(f"below MLPerf's minimum ({self.spec.min_duration_s:g} s, {self.spec.queries(self.name)} "
+                         f"queries asked): not a compliant result")
+        row["notes"] = "; ".join(notes)
+        row.update(self.memory(self.cell.backend), **self.cell.load)
+        self.cell.emit(row)
+        return row
+
+    def run(self) -> None:
+        expected_s, rate = self.warm()
+        bound = self.spec.slo_ms or self.spec.server_latency_ms
+        if self.name != "server":
+            self.one(None, bound, expected_s, rate)
+            return
+        # One sample at a time sustains 1 / expected_s queries/s: the default offered rate is half of it.
+        single = 1.0 / expected_s
+        if self.spec.slo_ms is None:
+            self.one(self.spec.server_target_qps or 0.5 * single, bound, expected_s, rate)
+            return
+        search(lambda qps, k: self.one(qps, bound, expected_s, rate, probe=k), start=self.spec.server_target_qps
+               or 0.5 * single, precision=self.spec.search_precision)
+
+
+def valid(row: dict[str, Any]) -> bool:
+    """LoadGen called the run VALID and the audit passed."""
+    return row.get("loadgen_valid") == "valid" and row.get("audit_sample") is None
+
+
+def search(probe: Callable[[float, int], dict[str, Any]], start: float, precision: float = 0.02,
+           most: int = 24) -> Optional[float]:
+    """The highest target QPS LoadGen calls valid, bracketed within ``precision`` (relative): double
+    (or halve) from ``start`` until the bracket holds a valid rate below an invalid one, then bisect.
+    Each probe is a LoadGen run (``probe(qps, k)``); returns the best valid rate (None: none was)."""
+    k = 0
+
+    def ok(qps: float) -> bool:
+        nonlocal k
+        k += 1
+        return valid(probe(qps, k))
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    qps = start
+    while k < most and (low is None or high is None):
+        if ok(qps):
+            low = qps
+            qps *= 2
+        else:
+            high = qps
+            qps /= 2
+        if low is not None and high is not None:
+            break
+    while low is not None and high is not None and k < most and (high - low) > precision * low:
+        mid = (low + high) / 2
+        if ok(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def folder(root: str, job: Any) -> tuple[Path, str]:
+    """Where a repeat's LoadGen logs go (the run's ``<csv stem>-loadgen`` folder, else a temporary
+    one), and the repeat's name in it."""
+    w = job.workload
+    base = Path(root) if root else Path(tempfile.mkdtemp(prefix="benchbackend-loadgen-"))
+    return base, f"{w.name}-{w.loadgen.scenario}-{job.backend}-{job.mode}-{job.precision}-r{job.repeat}"
+
+
+def run(cell: Any, base: dict[str, Any], memory: Callable[[Any], dict[str, Any]], job: Any) -> None:
+    """The inference phase of ``job``'s repeat as its workload's scenario (``loadgen.scenario``)."""
+    from importlib.util import find_spec
+
+    if find_spec("mlperf_loadgen") is None:
+        cell.emit({"type": "unavailable", "message": "--scenario needs MLPerf's LoadGen: pip install "
+                                                     "'benchbackend[loadgen]' (mlcommons-loadgen)"})
+        return
+    Scenario(cell, base, memory, *folder(job.options.loadgen_dir, job)).run()

@@ -1,0 +1,45 @@
+"""A test-only backend with a known service time (issue 39): the NumPy reference's outputs, each
+call taking ``SERVICE_S`` per sample, so a scenario's latencies can be checked against queueing theory.
+
+The network of ``tiny()`` costs microseconds; the sleep is ended by a short spin so that the
+service time is ``SERVICE_S`` to well under a percent, not the scheduler's overshoot.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from benchbackend.backends.numpy.reference import NumpyBackend
+from benchbackend.spec import workload
+
+#: Seconds per sample of every ``scores`` call.
+SERVICE_S = 0.004
+
+
+def hold(seconds: float) -> None:
+    """Wait ``seconds``: sleep most of it, spin the last half millisecond."""
+    end = time.perf_counter() + seconds
+    if seconds > 6e-4:
+        time.sleep(seconds - 5e-4)
+    while time.perf_counter() < end:
+        pass
+
+
+class SleepingBackend(NumpyBackend):
+    def scores(self, x: Any, batch_size: int) -> Any:
+        start = time.perf_counter()
+        out = super().scores(x, batch_size)
+        hold(SERVICE_S * len(x) - (time.perf_counter() - start))
+        return out
+
+
+def tiny(test: int = 256) -> workload.Workload:
+    """A network of one dense layer on 8 features: its own cost is negligible beside ``SERVICE_S``."""
+    return workload.Workload.model_validate({
+        "name": "tiny", "seed": 3,
+        "data": {"dataset": "synthetic", "input_shape": [8], "num_classes": 4, "train": 64, "validation": 0,
+                 "test": test},
+        "model": [{"type": "dense", "units": 4, "activation": "softmax"}],
+        "training": {"optimizer": "sgd", "lr": 0.01, "loss": "categorical_crossentropy", "batch_size": 32,
+                     "epochs": 1},
+        "inference": {"batch_size": 32, "repeats": 2}})

@@ -1,0 +1,185 @@
+"""MLPerf scenarios on LoadGen (issue 39), checked against what is known of the work: a backend
+that sleeps a known time per sample (``support.sleeping_backend``) must give SingleStream's
+median as that time and a Server p99 that M/D/1 queueing theory predicts; a backend that caches
+while timed must end ``audit_failed``; the settings' labels and the command line's checks hold."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from support import sleeping_backend
+from support.sleeping_backend import SERVICE_S, tiny
+
+from benchbackend.run import checks
+from benchbackend.spec import loadgen
+from conftest import cli, invoke, one_line_error, requires, run_cell
+
+pytest.importorskip("mlperf_loadgen", reason="--scenario needs mlcommons-loadgen (pip install 'benchbackend[loadgen]')")
+
+SLEEPING = "support.sleeping_backend:SleepingBackend"
+
+
+def _run(tmp_path: Path, scenario: str, target: str = SLEEPING, **settings) -> tuple[list[dict], list[dict], object]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    w = loadgen.with_scenario(tiny(), scenario, **settings)
+    msgs, rows = run_cell(tmp_path, w, "numpy", trains=False, target=target)
+    errors = [m for m in msgs if m.get("type") in ("error", "unavailable")]
+    assert not errors, errors
+    return [r for r in rows if r["phase"] == "scenario"], rows, w
+
+
+def md1_sojourn_quantile(rate: float, service: float, q: float) -> float:
+    """The ``q`` quantile of the time in an M/D/1 system (wait + service): Erlang's formula for the
+    waiting time's distribution, P(W <= t) = (1 - rho) sum_{k=0}^{floor(t/d)} (lambda (k d - t))^k /
+    k! exp(-lambda (k d - t)), solved for t by bisection."""
+    rho = rate * service
+
+    def cdf(t: float) -> float:
+        return (1 - rho) * sum((rate * (k * service - t)) ** k / math.factorial(k) * math.exp(-rate * (k * service - t))
+                               for k in range(int(t / service) + 1))
+
+    low, high = 0.0, service
+    while cdf(high) < q:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < q else (low, mid)
+    return high + service
+
+
+def test_md1_formula_holds_its_known_values() -> None:
+    # No wait with probability 1 - rho; below one service time P(W <= t) = (1 - rho) exp(lambda t).
+    assert md1_sojourn_quantile(500.0, 0.001, 0.4) == pytest.approx(0.001, rel=1e-6)
+    assert md1_sojourn_quantile(500.0, 0.001, 0.6) == pytest.approx(0.001 + math.log(1.2) / 500, rel=1e-6)
+    assert md1_sojourn_quantile(800.0, 0.001, 0.99) > md1_sojourn_quantile(500.0, 0.001, 0.99) > 0.002
+
+
+@pytest.mark.quiet_machine  # a timing against theory: alone, after the parallel suite
+def test_single_stream_median_is_the_service_time_and_the_run_is_labelled(tmp_path: Path) -> None:
+    found, rows, w = _run(tmp_path, "single-stream", min_duration_s=0.6, min_query_count=64)
+    (row,) = found
+    assert row["latency_p50_ms"] == pytest.approx(SERVICE_S * 1e3, rel=0.04), row
+    assert row["loadgen_valid"] == "valid" and row["query_count"] >= 64 and row["samples_per_query"] == 1
+    assert row["latency_p50_ms"] <= row["latency_p90_ms"] <= row["latency_p99_ms"] <= row["latency_p999_ms"]
+    assert row["early_stopping_ms"] >= row["latency_p90_ms"]
+    assert row["below_mlperf_minimum"] is True and "below MLPerf's minimum" in row["notes"]
+    logs = Path(row["loadgen_log"])
+    assert "SingleStream" in (logs / "mlperf_log_summary.txt").read_text()
+    assert (logs / "mlperf_log_detail.txt").exists()
+    assert row["audited"] >= 100 and row.get("audit_sample") is None
+    assert checks.cell_status(rows, w)[0] == "ok"
+
+
+@pytest.mark.quiet_machine  # a timing against theory: alone, after the parallel suite
+def test_server_p99_agrees_with_md1_queueing(tmp_path: Path) -> None:
+    (single,), _, _ = _run(tmp_path / "s", "single-stream", min_duration_s=0.5, min_query_count=64)
+    service = single["latency_mean_ms"] / 1e3  # the sleep plus LoadGen's and the serving thread's hand-offs
+    rate = 0.5 / service
+    (row,), rows, w = _run(tmp_path / "q", "server", server_target_qps=rate, min_duration_s=1.0,
+                           min_query_count=2000, server_latency_ms=1000.0)
+    expected = md1_sojourn_quantile(rate, service, 0.99) * 1e3
+    assert row["target_qps"] == pytest.approx(rate) and row["query_count"] >= 2000
+    assert row["latency_p99_ms"] == pytest.approx(expected, rel=0.10), (row["latency_p99_ms"], expected, service)
+    assert row["latency_p50_ms"] == pytest.approx(service * 1e3, rel=0.10)  # half the queries find it idle
+
+
+def test_multi_stream_and_offline_report_their_figures(tmp_path: Path) -> None:
+    (multi,), _, _ = _run(tmp_path / "m", "multi-stream", min_duration_s=0.3, min_query_count=8, multistream_samples=4)
+    assert multi["samples_per_query"] == 4 and multi["latency_p50_ms"] == pytest.approx(4 * SERVICE_S * 1e3, rel=0.1)
+    (offline,), _, _ = _run(tmp_path / "o", "offline", min_duration_s=0.3)
+    assert offline["loadgen_valid"] == "valid" and offline["samples"] >= 0.3 / SERVICE_S
+    assert offline["samples_per_s"] == pytest.approx(1 / SERVICE_S, rel=0.1)
+
+
+@pytest.mark.parametrize("scenario", ["single-stream", "offline"])
+def test_a_backend_that_caches_while_timed_fails_its_audit(tmp_path: Path, scenario: str) -> None:
+    found, rows, w = _run(tmp_path, scenario, target="support.caching_backend:ShapeCachingBackend",
+                          min_duration_s=0.2, min_query_count=200)
+    status, message = checks.cell_status(rows, w)
+    assert status == "audit_failed" and found[0]["audit_sample"] is not None, (status, message)
+    assert f"{scenario} run, test sample {found[0]['audit_sample']}:" in message
+
+
+def test_settings_label_runs_below_mlperf_minimums() -> None:
+    assert loadgen.LoadgenSpec(scenario="offline", min_duration_s=600).below_mlperf_minimum is False
+    assert loadgen.LoadgenSpec(scenario="offline", min_duration_s=599).below_mlperf_minimum is True
+    assert loadgen.LoadgenSpec(scenario="single-stream", min_duration_s=600, min_query_count=1023).below_mlperf_minimum
+    assert loadgen.LoadgenSpec(scenario="server").queries("server") == 662
+    assert tiny().hash() != loadgen.with_scenario(tiny(), "server").hash() != loadgen.with_scenario(
+        tiny(), "offline").hash()
+
+
+def test_scenario_options_need_a_scenario_and_slo_needs_server() -> None:
+    assert "add --scenario" in one_line_error(invoke("run", "mnist", "-b", "numpy", "--min-duration", "1"))
+    assert "--scenario server" in one_line_error(invoke("run", "mnist", "-b", "numpy", "--scenario", "offline",
+                                                        "--slo-ms", "5"))
+
+
+def test_openvino_hint_follows_the_scenario_unless_a_mode_is_named() -> None:
+    from benchbackend.run import plan
+
+    ws = [loadgen.with_scenario(tiny(), s) for s in ("single-stream", "server")]
+    modes = [c.choice.mode for c in plan.cells(plan.RunPlan(ws, plan.resolve(["openvino"], [], [])))]
+    assert modes == ["latency", "throughput"]
+    named = [c.choice.mode for c in plan.cells(plan.RunPlan(ws, plan.resolve(["openvino"], ["openvino:latency"], [])))]
+    assert named == ["latency", "latency"]
+
+
+def test_the_sleeping_backend_sleeps() -> None:
+    import time
+
+    start = time.perf_counter()
+    sleeping_backend.hold(0.01)
+    assert 0.01 <= time.perf_counter() - start < 0.012
+
+
+def _analytic_rate(service: float, bound: float, q: float = 0.99) -> float:
+    """The M/D/1 arrival rate whose ``q`` quantile of time in the system is ``bound``."""
+    low, high = 1.0, 0.999 / service
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if md1_sojourn_quantile(mid, service, q) < bound else (low, mid)
+    return low
+
+
+@pytest.mark.slow
+@pytest.mark.quiet_machine
+def test_the_peak_search_finds_the_analytic_rate_for_a_bound(tmp_path: Path) -> None:
+    (single,), _, _ = _run(tmp_path / "s", "single-stream", min_duration_s=0.5, min_query_count=64)
+    service = single["latency_mean_ms"] / 1e3
+    bound_ms = 5 * SERVICE_S * 1e3
+    probes, rows, w = _run(tmp_path / "p", "server", slo_ms=bound_ms, min_duration_s=1.0, min_query_count=2000)
+    assert [r["probe"] for r in probes] == list(range(1, len(probes) + 1)) and len(probes) >= 4
+    assert all(r["latency_bound_ms"] == bound_ms for r in probes)
+    good = [r["target_qps"] for r in probes if r["loadgen_valid"] == "valid"]
+    bad = [r["target_qps"] for r in probes if r["loadgen_valid"] != "valid"]
+    peak = max(good)
+    assert min(r for r in bad if r > peak) <= peak * 1.02 + 1e-9  # the bracket closed within 2%
+    assert peak == pytest.approx(_analytic_rate(service, bound_ms / 1e3), rel=0.05), (peak, service, probes)
+    assert checks.cell_status(rows, w)[0] == "ok"
+
+
+@pytest.mark.slow
+@requires("onnxruntime")
+def test_a_run_keeps_loadgen_logs_beside_the_csv_and_compare_gives_verdicts(tmp_path: Path) -> None:
+    import pandas as pd
+
+    out = tmp_path / "r.csv"
+    done = cli("run", "mnist", "-b", "numpy", "-b", "onnxruntime", "--inference-only", "--scenario", "single-stream",
+               "--data", "synthetic", "--limit", "128", "--min-duration", "0.3", "--repeats", "2", "-o", str(out),
+               "--no-plots", "-q")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = pd.read_csv(out)
+    sc = rows[rows["phase"] == "scenario"]
+    assert len(sc) == 4 and set(sc["scenario"]) == {"single-stream"} and sc["below_mlperf_minimum"].all()
+    assert set(rows["schema_version"]) == {12}
+    for log in sc["loadgen_log"]:
+        assert log.startswith("r-loadgen/") and (tmp_path / log / "mlperf_log_summary.txt").exists()
+    assert "scenario=single-stream" in rows["definition"].iloc[0]
+    text = cli("compare", str(out), "--baseline", "numpy").stdout
+    assert "Scenario single-stream on LoadGen (below MLPerf's minimum" in text
+    assert "p90 vs numpy" in text and "samples/s vs numpy" in text
+    assert "fastest correct (*): single-stream p90:" in text
+    assert cli("compare", str(out), "--plots", str(tmp_path / "p")).returncode == 0
+    assert [f.name for f in (tmp_path / "p").glob("*latency-cdf.png")]
