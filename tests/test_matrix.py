@@ -29,7 +29,10 @@ def test_batch_size_sweep_is_a_matrix_dimension_with_mfu_on_every_timed_row(tmp_
     assert ((timed["mfu_datasheet"] - timed["achieved_flops"] / 0.5e12).abs() <= 1e-12).all()
     assert set(timed["peak_datasheet_flops"]) == {0.5e12}  # beside the probe's MFU, not instead of it
     assert ((timed["mfu"] - timed["achieved_flops"] / timed["peak_flops"]).abs() <= 1e-9).all()
-    assert timed["peak_source"].str.startswith("numpy GEMM probe").all() and timed["peak_flops"].nunique() == 1
+    # The device's one peak: the best GEMM probe taken on it, whichever framework's (the suite's shared
+    # cache may hold TensorFlow's from an earlier test), the same on every row.
+    assert timed["peak_source"].str.contains("GEMM probe").all() and timed["peak_flops"].nunique() == 1
+    assert timed["peak_source"].nunique() == 1
 
 
 @pytest.mark.slow
