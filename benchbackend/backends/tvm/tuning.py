@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import math
 import shutil
 import statistics
 import tempfile
@@ -191,16 +190,12 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, folder: Path, budget: int
     ``folder`` (see the module's docstring); the summary."""
     started = time.perf_counter()
     tasks = ms.relax_integration.extract_tasks(fused_module(mod, target), target)
-    if budget < MIN_TRIALS:  # no task can get a trial: measuring the shares would be time spent for nothing
-        defaults = [math.nan] * len(tasks)
-        shares, total, trials = list(defaults), 1.0, [0] * len(tasks)
-    else:
-        defaults = measure([default_schedule(t, target) for t in tasks], target, threads)
-        shares = [s * t.weight for s, t in zip(defaults, tasks)]
-        total = sum(s for s in shares if s != float("inf")) or 1.0
-        # A kernel whose space holds one schedule (no register tile: element-wise, a reshape, a softmax)
-        # has nothing to search: its share goes to the others.
-        trials = allocate([share if tunable(t, target) else 0.0 for t, share in zip(tasks, shares)], budget)
+    defaults = measure([default_schedule(t, target) for t in tasks], target, threads)
+    shares = [s * t.weight for s, t in zip(defaults, tasks)]
+    total = sum(s for s in shares if s != float("inf")) or 1.0
+    # A kernel whose space holds one schedule (no register tile: element-wise, a reshape, a softmax) has
+    # nothing to search: its share goes to the others.
+    trials = allocate([share if tunable(t, target) else 0.0 for t, share in zip(tasks, shares)], budget)
     results = [TaskResult(t.task_name, int(t.weight), s, share / total, n)
                for t, s, share, n in zip(tasks, defaults, shares, trials)]
     folder.parent.mkdir(parents=True, exist_ok=True)
