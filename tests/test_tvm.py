@@ -197,7 +197,8 @@ def test_tuned_mode_searches_writes_the_database_and_matches_the_reference(tuned
     # The whole budget went to the task with the largest share of the runtime (under MIN_TRIALS).
     tasks = summary["per_task"]
     (searched,) = [t for t in tasks if t["trials"]]
-    assert searched["trials"] == TRIALS and searched["share"] == max(t["share"] for t in tasks)
+    # (among the kernels with something to search: an element-wise one can measure larger on a busy machine)
+    assert searched["trials"] == TRIALS and searched["share"] == max(t["share"] for t in tasks if t["tunable"])
     assert abs(sum(t["share"] for t in tasks) - 1) < 1e-9
     assert searched["duel_default_s"] > 0 and searched["duel_searched_s"] > 0
     assert searched["chosen"] == ("searched" if searched["duel_searched_s"] < searched["duel_default_s"]

@@ -64,6 +64,7 @@ class TaskResult:
     measured: int = 0  # trials measured (a search stops early when its space runs out)
     duel_default_s: Optional[float] = None  # the side-by-side measurement
     duel_searched_s: Optional[float] = None
+    tunable: bool = True  # its space holds more than one schedule (else it gets no trials)
     chosen: str = DEFAULT
 
 
@@ -195,9 +196,10 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, folder: Path, budget: int
     total = sum(s for s in shares if s != float("inf")) or 1.0
     # A kernel whose space holds one schedule (no register tile: element-wise, a reshape, a softmax) has
     # nothing to search: its share goes to the others.
-    trials = allocate([share if tunable(t, target) else 0.0 for t, share in zip(tasks, shares)], budget)
-    results = [TaskResult(t.task_name, int(t.weight), s, share / total, n)
-               for t, s, share, n in zip(tasks, defaults, shares, trials)]
+    able = [tunable(t, target) for t in tasks]
+    trials = allocate([share if a else 0.0 for a, share in zip(able, shares)], budget)
+    results = [TaskResult(t.task_name, int(t.weight), s, share / total, n, tunable=a)
+               for t, s, share, n, a in zip(tasks, defaults, shares, trials, able)]
     folder.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
