@@ -10,13 +10,11 @@ import math
 import numpy as np
 import pytest
 import yaml
-from click.testing import CliRunner
 from support import inprocess
 
 from benchbackend import results
 from benchbackend.analysis import compare, convergence
 from benchbackend.backends import registry as backends
-from benchbackend.cli import main
 from conftest import ROOT
 
 LRBUG = backends.BackendSpec(
@@ -49,15 +47,11 @@ def converged(tmp_path_factory):
     spec["checks"]["target_accuracy"] = 0.7
     path = tmp / "mnist_target.yaml"
     path.write_text(yaml.safe_dump(spec))
-    mp = pytest.MonkeyPatch()
-    mp.setitem(backends.BACKENDS, "lrbug", LRBUG)
-    inprocess.use(mp)
     out = tmp / "conv.csv"
-    r = CliRunner().invoke(main, ["run", str(path), "-b", "numpy", "-b", "lrbug", "--mode", "lrbug:lr4",
+    r = inprocess.run_with(LRBUG, [str(path), "-b", "numpy", "-b", "lrbug", "--mode", "lrbug:lr4",
                                   "--mode", "lrbug:honest", "--data", "synthetic", "--limit", "512", "--epochs", "4",
                                   "--seeds", "5",
                                   "-o", str(out), "--no-plots"])
-    mp.undo()
     return r, out
 
 

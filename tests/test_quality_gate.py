@@ -10,13 +10,11 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from click.testing import CliRunner
 from support import inprocess
 
 from benchbackend import results
 from benchbackend.analysis import compare, experiments, quality, summary
 from benchbackend.backends import registry as backends
-from benchbackend.cli import main
 from benchbackend.spec import workload
 
 LOSSY = backends.BackendSpec(
@@ -30,15 +28,11 @@ LOSSY = backends.BackendSpec(
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """One run: the plant at fp32 (its baseline) and bf16, and the honest mode at bf16."""
-    mp = pytest.MonkeyPatch()
-    mp.setitem(backends.BACKENDS, "lossy", LOSSY)
-    inprocess.use(mp)
     out = tmp_path_factory.mktemp("gate") / "gate.csv"
-    r = CliRunner().invoke(main, ["run", "mnist", "--mode", "lossy:rounding", "--mode", "lossy:honest",
+    r = inprocess.run_with(LOSSY, ["mnist", "--mode", "lossy:rounding", "--mode", "lossy:honest",
                                   "--precision", "fp32", "--precision", "bf16", "--data", "synthetic",
                                   "--limit", "1024", "--epochs", "2", "--repeats", "1", "--parity-steps", "10",
                                   "-o", str(out), "--no-plots"])
-    mp.undo()
     return r, out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import traceback
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from benchbackend.run import launch, worker
 from benchbackend.run.messages import Ended, Message, Started
@@ -50,3 +50,22 @@ def use(monkeypatch) -> None:
     from benchbackend.run import executors
 
     monkeypatch.setattr(executors, "make", lambda *args, **kwargs: InProcessExecutor())
+
+
+def run_with(spec: Any, args: Sequence[str]) -> Any:
+    """``benchbackend run ARGS`` through click's CliRunner, its cells in this process, with the
+    test-only backend ``spec`` registered for the call only (module-scoped fixtures, which cannot
+    take pytest's function-scoped ``monkeypatch``)."""
+    import pytest
+    from click.testing import CliRunner
+
+    from benchbackend.backends import registry
+    from benchbackend.cli import main
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setitem(registry.BACKENDS, spec.name, spec)
+        use(mp)
+        return CliRunner().invoke(main, ["run", *args])
+    finally:
+        mp.undo()
