@@ -272,13 +272,19 @@ def _plant_unscheduled(tasks: Any, trials: Any, _work_dir: Path, _threads: int, 
 
 @pytest.fixture
 def mnist_tuned(tmp_path: Path) -> Iterator[Any]:
-    """mnist's tuned backend, built, under a fresh cache (each test plants its own search)."""
+    """mnist's tuned backend, built, under a fresh cache (each test plants its own search).
+
+    One thread: the duels below compare a parallel kernel with a planted single-threaded one, and on a
+    busy machine (CI's other test worker) a 2-thread parallel loop stalls at its barriers: under two
+    busy loops the default rule's conv measured 19 ms against the scalar kernel's 10 ms (0.18 against
+    5.2 ms quiet), so the planted kernel "won". On one thread both slow down alike (0.7 against 8.5 ms
+    under the same load)."""
     from benchbackend.backends.tvm.adapter import TVMBackend
     from benchbackend.spec.model import initial_weights
 
     w = W.load("mnist").with_overrides(limit=256)
     with mock.patch.dict(os.environ, {"BENCHBACKEND_CACHE": str(tmp_path)}):
-        backend = TVMBackend(w, "cpu", "tuned", options={"tune_trials": 8, "threads": 2})
+        backend = TVMBackend(w, "cpu", "tuned", options={"tune_trials": 8, "threads": 1})
         backend.build(initial_weights(w))
         yield backend
 
@@ -297,10 +303,10 @@ def test_a_searched_schedule_slower_than_the_default_is_not_kept(mnist_tuned: An
     assert planted, summary
     for t in planted:  # the rule, task by task: a searched schedule is kept only where it measured faster
         assert (t["chosen"] == "searched") == (t["duel_searched_s"] < t["duel_default_s"]), t
-    # The largest kernel's scalar loops lose by far (5.3 ms against 0.19 ms measured): the default
+    # The largest kernel's scalar loops lose by far (5.2 ms against 0.37 ms measured, one thread): the default
     # stays. A tiny kernel's duel can go either way on a busy machine (a parallel test run saw one), by the same rule.
     biggest = max(planted, key=lambda t: t["duel_default_s"])
-    assert biggest["chosen"] == "default", biggest
+    assert biggest["chosen"] == "default", planted
     kept = sum(t["chosen"] == "searched" for t in planted)
     assert summary["searched"] == kept and bool((folder / "records.json").read_text().strip()) == bool(kept)
     if not kept:
