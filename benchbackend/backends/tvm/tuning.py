@@ -24,16 +24,20 @@ place at the end, so an interrupted search never leaves a folder a later run wou
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import tvm
 from tvm import s_tir
@@ -89,7 +93,7 @@ def measure(mods: Sequence[tvm.IRModule], target: tvm.target.Target, threads: in
     if not mods:
         return []
     builder = ms.builder.LocalBuilder(max_workers=threads, f_build=build_trial)
-    runner = ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(repeat=repeats))
+    runner = local_runner(ms.runner.EvaluatorConfig(repeat=repeats))
     built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
     ok = [i for i, b in enumerate(built) if b.error_msg is None]
     futures = runner.run([ms.runner.RunnerInput(built[i].artifact_path, "cpu",
@@ -100,6 +104,23 @@ def measure(mods: Sequence[tvm.IRModule], target: tvm.target.Target, threads: in
         if result.error_msg is None and result.run_secs:
             secs[i] = statistics.median(float(s) for s in result.run_secs)
     return secs
+
+
+_RUNNERS: dict[Optional[str], Any] = {}
+
+
+def local_runner(config: Any) -> Any:
+    """MetaSchedule's ``LocalRunner``, one per process and thread count, set to time with ``config``.
+
+    Its pool's worker is a fresh Python that imports TVM (2.5 s here) and reads ``TVM_NUM_THREADS``
+    (which the adapter sets) when it starts: a runner per measurement paid that three times a search.
+    MetaSchedule itself keeps one runner for a whole search; the timing loop is read per call."""
+    key = os.environ.get("TVM_NUM_THREADS")
+    if key not in _RUNNERS:
+        _RUNNERS[key] = ms.runner.LocalRunner()
+    runner = _RUNNERS[key]
+    runner.evaluator_config = config
+    return runner
 
 
 def allocate(shares: Sequence[float], budget: int, minimum: int = MIN_TRIALS) -> list[int]:
@@ -127,16 +148,40 @@ def allocate(shares: Sequence[float], budget: int, minimum: int = MIN_TRIALS) ->
     return trials
 
 
+@contextlib.contextmanager
+def no_tensor_intrinsics() -> Iterator[None]:
+    """MetaSchedule's ``TuneContext`` imports ``tvm.s_tir.tensor_intrin``, which parses every vendor's
+    tensor intrinsics: 18 s of a 43 s two-trial search measured here (py-spy), paid once per process.
+    ``rule_space`` tensorizes nothing, so while a search builds its contexts that import finds an empty
+    module; the name is released afterwards, and a later real import loads the real one."""
+    name = "tvm.s_tir.tensor_intrin"
+    if name in sys.modules:
+        yield
+        return
+    stub = sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        if sys.modules.get(name) is stub:
+            del sys.modules[name]
+
+
 def search(tasks: Sequence[Any], trials: Sequence[int], work_dir: Path, threads: int, seed: int,
            database: Any) -> list[int]:
     """MetaSchedule's evolutionary search of each task with its own budget, into ``database``; the
     trials measured per task."""
+    with no_tensor_intrinsics():
+        return _search(tasks, trials, work_dir, threads, seed, database)
+
+
+def _search(tasks: Sequence[Any], trials: Sequence[int], work_dir: Path, threads: int, seed: int,
+            database: Any) -> list[int]:
     # XGBoost's model predicts at random until it holds num_warmup_samples (100 by default): at
     # these budgets it never would, and its training (~12 s a round here) bought nothing.
     cost_model = (ms.cost_model.XGBModel(num_tuning_cores=threads, num_warmup_samples=WARMUP_SAMPLES)
                   if _has_xgboost() else ms.cost_model.RandomModel())
     builder = ms.builder.LocalBuilder(max_workers=threads, f_build=build_trial)
-    runner = ms.runner.LocalRunner()
+    runner = local_runner(ms.runner.EvaluatorConfig())
     measured = [0] * len(tasks)
     for i, (task, n) in enumerate(zip(tasks, trials)):
         if n <= 0:
