@@ -272,13 +272,9 @@ def _plant_unscheduled(tasks: Any, trials: Any, _work_dir: Path, _threads: int, 
 
 @pytest.fixture
 def mnist_tuned(tmp_path: Path) -> Iterator[Any]:
-    """mnist's tuned backend, built, under a fresh cache (each test plants its own search).
-
-    One thread: the duels below compare a parallel kernel with a planted single-threaded one, and on a
-    busy machine (CI's other test worker) a 2-thread parallel loop stalls at its barriers: under two
-    busy loops the default rule's conv measured 19 ms against the scalar kernel's 10 ms (0.18 against
-    5.2 ms quiet), so the planted kernel "won". On one thread both slow down alike (0.7 against 8.5 ms
-    under the same load)."""
+    """mnist's tuned backend, built, under a fresh cache (each test plants its own search). One thread:
+    on a busy machine a 2-thread parallel loop stalls at its barriers, and the default rule's conv read 19
+    ms against the planted scalar kernel's 10 ms (0.18 against 5.2 quiet); one thread: 0.7 against 8.5."""
     from benchbackend.backends.tvm.adapter import TVMBackend
     from benchbackend.spec.model import initial_weights
 
