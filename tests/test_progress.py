@@ -140,6 +140,27 @@ def test_the_summary_says_a_cell_stopped_after_an_epoch_rather_than_having_one()
     assert "epoch 1.500s " in whole and "stopped" not in whole
 
 
+def test_a_peak_search_summary_gives_its_peak_not_its_last_probe() -> None:
+    # A cifar10 search read "probe 7 at 2964 QPS ... LoadGen INVALID" in the summary, its peak being 2,915.
+    from benchbackend.run.runner import CellResult
+
+    result = CellResult(_cells(1)[0], "cpu", "ok")
+    probes = [(1, 1500.0, "valid"), (2, 3000.0, "invalid"), (3, 2250.0, "valid"), (4, 2900.0, "valid"),
+              (5, 2964.0, "invalid")]
+    for k, qps, valid in probes:
+        row = {"phase": "scenario", "scenario": "server", "probe": k, "target_qps": qps, "loadgen_valid": valid,
+               "latency_p50_ms": 0.5, "samples_per_s": qps}
+        progress.keep_scenario_line(result, row, progress.scenario_line(row))
+    assert "probe 4 at 2900 QPS" in result.scenario and "VALID" in result.scenario, result.scenario
+    audited = CellResult(_cells(1)[0], "cpu", "ok")
+    row = {"phase": "scenario", "scenario": "server", "probe": 1, "target_qps": 10.0, "loadgen_valid": "valid",
+           "audit_sample": 3}
+    progress.keep_scenario_line(audited, row, "first")
+    progress.keep_scenario_line(audited, {**row, "probe": 2, "target_qps": 5.0, "loadgen_valid": "invalid",
+                                          "audit_sample": None}, "second")
+    assert audited.scenario == "second" and audited.peak_qps is None  # none valid yet: the last probe
+
+
 def test_a_batchnorm_networks_second_parity_line_says_it_is_the_training_mode() -> None:
     """Issue 41 item 10: two unlabelled 'parity vs NumPy reference' lines."""
     w = workload.load("resnet8")

@@ -334,6 +334,20 @@ def summary_line(result: Any, generated: Sequence[Generated] = ()) -> str:
     return f"{head}  {result.status:<16} {epoch}  {acc}  {inf}{tail}"
 
 
+def keep_scenario_line(result: Any, row: dict[str, Any], line: str) -> None:
+    """The LoadGen run whose ``line`` the cell's summary gives (``result.scenario``): the last one; in a
+    peak search (``--slo-ms``), the peak, the highest rate LoadGen called valid with its audit passed
+    (the last probe, until one is), not the search's last probe, which is usually past the peak."""
+    if row.get("probe") is None:
+        result.scenario = line
+        return
+    valid = row.get("loadgen_valid") == "valid" and row.get("audit_sample") is None
+    if valid and row["target_qps"] > (result.peak_qps or 0.0):
+        result.scenario, result.peak_qps = line, row["target_qps"]
+    elif result.peak_qps is None:
+        result.scenario = line
+
+
 def scenario_line(row: dict[str, Any]) -> str:
     """A LoadGen run's line: its percentiles or rate, LoadGen's verdict, the label of a short run."""
     def ms(key: str) -> str:

@@ -66,8 +66,10 @@ class CellResult:
     inference_seconds: list[float] = field(default_factory=list)
     #: The cell generates (``--generate``): its summary line gives its generation figures.
     generates: bool = False
-    #: ``--scenario``: its last LoadGen run's line (``progress.scenario_line``), which the summary gives.
+    #: ``--scenario``: the line (``progress.scenario_line``) of its LoadGen run that the summary gives:
+    #: the last one, or in a peak search (``--slo-ms``) the peak, the highest rate found valid.
     scenario: str = ""
+    peak_qps: Optional[float] = None
 
     @property
     def backend(self) -> str:
@@ -333,7 +335,7 @@ class Runner:
             result.inference_seconds.append(row["seconds"])
         line = progress.row_line(row, cell.workload, result.inference_seconds)
         if row.get("phase") == "scenario" and line:
-            result.scenario = line
+            progress.keep_scenario_line(result, row, line)
         if line:
             self.display.note(f"{progress.tag(cell)} {line}")
 
