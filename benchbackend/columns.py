@@ -135,7 +135,8 @@ DECLARED: tuple[Column, ...] = (
                       "precision to order (the comparison stops there)", version=11),
     _c("audited", N, "an `inference` row's test samples whose timed outputs were checked against an untimed pass "
                      "of them (1%, at least 100, chosen by the seed); a `scenario` row's timed responses checked "
-                     "against LoadGen's accuracy-mode outputs (a seeded 1% of them, at least 100)", version=11),
+                     "against LoadGen's accuracy-mode outputs (every 100th and a seeded 100: at least 1%, at least "
+                     "100)", version=11),
     _c("audit_sample", N, "an `inference` or `scenario` row's first audited test sample whose timed output differs "
                           "(`audit_failed`), or a `scenario` row's first whose accuracy-mode output is beyond the "
                           "precision's tolerance of the reference's; empty when all agree", version=11),

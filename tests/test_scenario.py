@@ -161,6 +161,22 @@ def test_a_query_is_complete_only_after_the_device_sync(tmp_path: Path, monkeypa
     assert row["qps"] <= 1 / delay and checks.cell_status(rows, w)[0] == "ok"
 
 
+def test_the_audit_keeps_at_least_100_and_at_least_1_percent_of_the_timed_responses() -> None:
+    import numpy as np
+
+    from benchbackend.run.scenario import Reservoir
+
+    for n in (60, 5_000, 123_456):
+        r = Reservoir(100, seed=3)
+        for i in range(n):
+            r.offer(i, np.full(1, i, np.float32))
+        picked = [i for i, _ in r.kept]
+        assert len(set(picked)) == len(picked) >= min(n, max(100, math.ceil(0.01 * n)))
+        assert all(out[0] == i for i, out in r.kept)  # each response's own output
+        uniform = sorted(i for _, i, _ in r.sample)  # the reservoir's part: spread over the run
+        assert len(uniform) == min(n, 100) and (n <= 100 or uniform[-1] > 0.8 * n and uniform[0] < 0.2 * n)
+
+
 def test_settings_label_runs_below_mlperf_minimums() -> None:
     assert loadgen.LoadgenSpec(scenario="offline", min_duration_s=600).below_mlperf_minimum is False
     assert loadgen.LoadgenSpec(scenario="offline", min_duration_s=599).below_mlperf_minimum is True

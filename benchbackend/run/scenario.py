@@ -18,11 +18,11 @@ the precision's forward tolerance end the cell ``audit_failed``.
 
 Each timed LoadGen run is one ``scenario`` row: LoadGen's latency percentiles, early-stopping
 estimate, queries and samples per second, its own VALID/INVALID verdict, and the folder of its
-summary and detail logs. A share of the timed responses (1%, at least 100: a seeded reservoir over
-all of them) is audited against the accuracy-mode outputs of the same samples (``checks.audit``, as
-MLPerf's TEST01 does): a backend that caches, skips or returns stale outputs while timed ends
-``audit_failed``. With ``slo_ms`` the Server's target rate is searched (:func:`search`), each probe a
-LoadGen run and a row.
+summary and detail logs. A share of the timed responses (at least 1% and at least 100: every
+100th, and a seeded reservoir over all of them) is audited against the accuracy-mode outputs of
+the same samples (``checks.audit``, as MLPerf's TEST01 does): a backend that caches, skips or
+returns stale outputs while timed ends ``audit_failed``. With ``slo_ms`` the Server's target rate
+is searched (:func:`search`), each probe a LoadGen run and a row.
 
 Over 400 lines: the SUT, LoadGen's settings and logs, the accuracy-mode run and the audit against
 it, and the peak search are one protocol around one SUT and its LoadGen runs (the audit reads the
@@ -31,7 +31,6 @@ SUT's reservoir and the accuracy mode's outputs; the search reads the audited ro
 from __future__ import annotations
 
 import json
-import math
 import queue
 import tempfile
 import threading
@@ -53,24 +52,36 @@ WARMUP_CALLS = 3
 
 @dataclass
 class Reservoir:
-    """A uniform, seeded sample of ``size`` of the timed responses (Algorithm R): (sample index, output)."""
+    """The audited share of the timed responses, (sample index, output): a seeded uniform sample of
+    ``least`` of them (Algorithm R) and every ``stride``-th (the first, the 101st, ...): at least
+    ``least`` and at least 1 / ``stride`` of all offered, however many the run turns out to issue."""
 
-    size: int
+    least: int
     seed: int
+    stride: int = 100
     seen: int = 0
-    kept: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    sample: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (response number, index, output)
+    strided: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng([self.seed % 2**32, 39])
 
     def offer(self, index: int, output: np.ndarray) -> None:
+        got = (self.seen, index, output.copy())
         self.seen += 1
-        if len(self.kept) < self.size:
-            self.kept.append((index, output.copy()))
+        if got[0] % self.stride == 0:
+            self.strided.append(got)
+        if len(self.sample) < self.least:
+            self.sample.append(got)
             return
         j = int(self.rng.integers(self.seen))
-        if j < self.size:
-            self.kept[j] = (index, output.copy())
+        if j < self.least:
+            self.sample[j] = got
+
+    @property
+    def kept(self) -> list[tuple[int, np.ndarray]]:
+        both = {n: (i, out) for n, i, out in [*self.sample, *self.strided]}
+        return [both[n] for n in sorted(both)]
 
 
 class Sut:
@@ -339,8 +350,7 @@ class Scenario:
 
         folder = self.logs / (self.tag + (f"-probe{probe:02d}" if probe is not None else ""))
         s = settings(self.lg, self.spec, self.name, expected_s, rate, target_qps, bound_ms, self.n)
-        expected = max(self.spec.queries(self.name) * self.per_query, self.spec.min_duration_s * rate)
-        reservoir = Reservoir(max(100, math.ceil(0.01 * expected)), self.cell.workload.seed)
+        reservoir = Reservoir(100, self.cell.workload.seed)
         values, wall = self.sut.run(self.lg, s, folder, reservoir)
         row = {**self.base, "phase": PHASE, "scenario": self.name,
                "target_qps": target_qps if self.name == "server" else None,
