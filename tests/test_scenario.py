@@ -93,12 +93,14 @@ def test_multi_stream_and_offline_report_their_figures(tmp_path: Path) -> None:
     assert offline["samples_per_s"] == pytest.approx(1 / SERVICE_S, rel=0.1)
 
 
-@pytest.mark.parametrize("scenario", ["single-stream", "offline"])
+@pytest.mark.parametrize("scenario", ["single-stream", "offline", "server"])
 def test_a_backend_that_caches_fails_its_accuracy_mode_check(tmp_path: Path, scenario: str) -> None:
     """The shape cache answers LoadGen's accuracy mode as wrongly as the timed run: the accuracy-mode
-    outputs, checked against the NumPy reference, end it ``audit_failed``."""
+    outputs, checked against the NumPy reference, end it ``audit_failed``; a Server peak search
+    (``--slo-ms``) then runs one probe, not a search that no rate could pass."""
     found, rows, w = _run(tmp_path, scenario, target="support.caching_backend:ShapeCachingBackend",
-                          min_duration_s=0.2, min_query_count=200)
+                          min_duration_s=0.2, min_query_count=200, slo_ms=50.0)
+    assert len(found) == 1
     status, message = checks.cell_status(rows, w)
     assert status == "audit_failed" and found[0]["audit_sample"] is not None, (status, message)
     assert f"{scenario} accuracy-mode run, test sample {found[0]['audit_sample']}:" in message
