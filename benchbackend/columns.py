@@ -49,7 +49,8 @@ DECLARED: tuple[Column, ...] = (
                      "validation is measured apart)", "s"),
     _c("samples_per_s", N, "`samples` / `seconds`", "samples/s"),
     _c("loss", N, "the epoch's mean training loss"),
-    _c("accuracy", N, "the epoch's training accuracy, or an inference pass's on the test set"),
+    _c("accuracy", N, "the epoch's training accuracy, or an inference pass's on the test set (a `scenario` "
+                      "row: LoadGen's accuracy-mode outputs')"),
     _c("val_loss", N, "the validation loss after the epoch, outside the clock"),
     _c("val_accuracy", N, "the validation accuracy after the epoch, outside the clock"),
     _c("status", T, "the cell's final status on every row (docs/results.md \"Checks and statuses\")"),
@@ -133,10 +134,12 @@ DECLARED: tuple[Column, ...] = (
     _c("tie_step", N, "a `greedy` row's earliest step whose reference top-two outputs are too close for the "
                       "precision to order (the comparison stops there)", version=11),
     _c("audited", N, "an `inference` row's test samples whose timed outputs were checked against an untimed pass "
-                     "of them (1%, at least 100, chosen by the seed); a `scenario` row's timed responses so checked "
-                     "(a seeded 1% of them, at least 100)", version=11),
+                     "of them (1%, at least 100, chosen by the seed); a `scenario` row's timed responses checked "
+                     "against LoadGen's accuracy-mode outputs (every 100th and a seeded 100: at least 1%, at least "
+                     "100)", version=11),
     _c("audit_sample", N, "an `inference` or `scenario` row's first audited test sample whose timed output differs "
-                          "(`audit_failed`); empty when all agree", version=11),
+                          "(`audit_failed`), or a `scenario` row's first whose accuracy-mode output is beyond the "
+                          "precision's tolerance of the reference's; empty when all agree", version=11),
     _c("mismatch_step", N, "a `greedy` row's first step whose token differs from the reference's before a tie "
                            "(`generation_mismatch`)", version=11),
     _c("peak_datasheet_flops", N, "`--peak-tflops`: the device's datasheet peak in the precision, as the user gave "
@@ -198,6 +201,11 @@ DECLARED: tuple[Column, ...] = (
     _c("performance_hint", T, "the performance hint the runtime compiled with (OpenVINO's LATENCY or THROUGHPUT, "
                               "following the scenario); empty where there is none", version=12),
     _c("probe", N, "`--slo-ms`: the peak search's probe, 1..K, each a LoadGen run at `target_qps`", version=12),
+    _c("top1_agreement", N, "a `scenario` row's share of the test samples whose top class in LoadGen's accuracy-mode "
+                            "run (every sample once, its output logged) is the NumPy reference's; empty where the "
+                            "adapter cannot give back weights it trained", version=13),
+    _c("accuracy_log", T, "the folder of the LoadGen accuracy-mode run a `scenario` row's `top1_agreement`, "
+                          "`accuracy` and audit were read from (its `mlperf_log_accuracy.json`)", version=13),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).

@@ -20,9 +20,10 @@ pytest.importorskip("mlperf_loadgen", reason="--scenario needs mlcommons-loadgen
 SLEEPING = "support.sleeping_backend:SleepingBackend"
 
 
-def _run(tmp_path: Path, scenario: str, target: str = SLEEPING, **settings) -> tuple[list[dict], list[dict], object]:
+def _run(tmp_path: Path, scenario: str, target: str = SLEEPING, test: int = 256,
+         **settings) -> tuple[list[dict], list[dict], object]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    w = loadgen.with_scenario(tiny(), scenario, **settings)
+    w = loadgen.with_scenario(tiny(test), scenario, **settings)
     msgs, rows = run_cell(tmp_path, w, "numpy", trains=False, target=target)
     errors = [m for m in msgs if m.get("type") in ("error", "unavailable")]
     assert not errors, errors
@@ -92,13 +93,90 @@ def test_multi_stream_and_offline_report_their_figures(tmp_path: Path) -> None:
     assert offline["samples_per_s"] == pytest.approx(1 / SERVICE_S, rel=0.1)
 
 
-@pytest.mark.parametrize("scenario", ["single-stream", "offline"])
-def test_a_backend_that_caches_while_timed_fails_its_audit(tmp_path: Path, scenario: str) -> None:
+@pytest.mark.parametrize("scenario", ["single-stream", "offline", "server"])
+def test_a_backend_that_caches_fails_its_accuracy_mode_check(tmp_path: Path, scenario: str) -> None:
+    """The shape cache answers LoadGen's accuracy mode as wrongly as the timed run: the accuracy-mode
+    outputs, checked against the NumPy reference, end it ``audit_failed``; a Server peak search
+    (``--slo-ms``) then runs one probe, not a search that no rate could pass."""
     found, rows, w = _run(tmp_path, scenario, target="support.caching_backend:ShapeCachingBackend",
-                          min_duration_s=0.2, min_query_count=200)
+                          min_duration_s=0.2, min_query_count=200, slo_ms=50.0)
+    assert len(found) == 1
     status, message = checks.cell_status(rows, w)
     assert status == "audit_failed" and found[0]["audit_sample"] is not None, (status, message)
-    assert f"{scenario} run, test sample {found[0]['audit_sample']}:" in message
+    assert f"{scenario} accuracy-mode run, test sample {found[0]['audit_sample']}:" in message
+    assert found[0]["top1_agreement"] < 0.9
+
+
+@pytest.mark.parametrize("scenario", ["single-stream", "offline"])
+def test_a_backend_stale_only_while_timed_fails_the_audit_against_the_accuracy_mode(
+        tmp_path: Path, scenario: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right in the accuracy mode (top-1 agreement 1.0), stale in the performance run: the audit of
+    the timed responses against the accuracy-mode outputs (MLPerf's TEST01) is what sees it."""
+    monkeypatch.setenv("STALE_AFTER", str(3 * 256))  # past the warm-up, parity and accuracy mode
+    found, rows, w = _run(tmp_path, scenario, target="support.caching_backend:StaleBackend", min_duration_s=0.2,
+                          min_query_count=1000)
+    (row,) = found
+    status, message = checks.cell_status(rows, w)
+    assert row["top1_agreement"] == 1.0 and status == "audit_failed", (status, message)
+    assert f"{scenario} run, test sample {row['audit_sample']}:" in message and "accuracy-mode run's" in message
+
+
+def test_a_correct_backend_agrees_with_the_reference_in_accuracy_mode(tmp_path: Path) -> None:
+    """Every test sample's output logged by LoadGen's accuracy mode (``mlperf_log_accuracy.json``)
+    is the reference's: top-1 agreement 1.0, the accuracy on the labels that of the reference's outputs."""
+    import numpy as np
+
+    from benchbackend.backends.base import accuracy
+    from benchbackend.backends.numpy import reference
+    from benchbackend.data.datasets import normalize
+    from benchbackend.run import scenario
+    from benchbackend.spec.model import initial_weights
+
+    found, rows, w = _run(tmp_path, "multi-stream", target="benchbackend.backends.numpy.reference:NumpyBackend",
+                          min_duration_s=0.1, min_query_count=8, multistream_samples=5)
+    (row,) = found
+    assert row["top1_agreement"] == 1.0 and row.get("audit_sample") is None and row["audited"] >= 40
+    assert checks.cell_status(rows, w)[0] == "ok"
+    with np.load(next(tmp_path.glob("*.npz"))) as z:
+        x, y = normalize(z["x_test"]), z["y_test"]
+    logged = scenario.logged_outputs(Path(row["accuracy_log"]) / "mlperf_log_accuracy.json", len(y))
+    ref = reference.forward(w, initial_weights(w, 1), x.astype(np.float64))  # the job's repeat 1
+    assert np.allclose(logged, ref, atol=1e-5)
+    assert row["accuracy"] == pytest.approx(accuracy(ref, y))
+    assert len(list((Path(row["loadgen_log"]).parent / "reference").glob("*.npy"))) == 1
+
+
+def test_a_query_is_complete_only_after_the_device_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LazyNumpyBackend`` returns its outputs at once and keeps its simulated device busy for
+    ``LAZY_DELAY`` after each call; only ``sync`` waits for it (a CUDA stream). The SUT syncs before
+    telling LoadGen a query is complete, so every query's latency holds the device's work: LoadGen's
+    shortest is at least the delay (with the sync dropped it reads microseconds). A lower bound the
+    sleep guarantees, not a threshold on the machine's speed."""
+    from benchbackend.run import scenario
+
+    delay = 0.02
+    monkeypatch.setenv("LAZY_DELAY", str(delay))
+    (row,), rows, w = _run(tmp_path, "single-stream", target="support.lazy_backend:LazyNumpyBackend", test=32,
+                           min_duration_s=0.1, min_query_count=32)
+    shortest = scenario.detail(Path(row["loadgen_log"]) / "mlperf_log_detail.txt")["result_min_latency_ns"]
+    assert shortest >= delay * 1e9 and row["latency_p50_ms"] >= delay * 1e3, (shortest, row["latency_p50_ms"])
+    assert row["qps"] <= 1 / delay and checks.cell_status(rows, w)[0] == "ok"
+
+
+def test_the_audit_keeps_at_least_100_and_at_least_1_percent_of_the_timed_responses() -> None:
+    import numpy as np
+
+    from benchbackend.run.scenario import Reservoir
+
+    for n in (60, 5_000, 123_456):
+        r = Reservoir(100, seed=3)
+        for i in range(n):
+            r.offer(i, np.full(1, i, np.float32))
+        picked = [i for i, _ in r.kept]
+        assert len(set(picked)) == len(picked) >= min(n, max(100, math.ceil(0.01 * n)))
+        assert all(out[0] == i for i, out in r.kept)  # each response's own output
+        uniform = sorted(i for _, i, _ in r.sample)  # the reservoir's part: spread over the run
+        assert len(uniform) == min(n, 100) and (n <= 100 or uniform[-1] > 0.8 * n and uniform[0] < 0.2 * n)
 
 
 def test_settings_label_runs_below_mlperf_minimums() -> None:
@@ -173,13 +251,17 @@ def test_a_run_keeps_loadgen_logs_beside_the_csv_and_compare_gives_verdicts(tmp_
     rows = pd.read_csv(out)
     sc = rows[rows["phase"] == "scenario"]
     assert len(sc) == 4 and set(sc["scenario"]) == {"single-stream"} and sc["below_mlperf_minimum"].all()
-    assert set(rows["schema_version"]) == {12}
+    assert set(rows["schema_version"]) == {13}
     for log in sc["loadgen_log"]:
         assert log.startswith("r-loadgen/") and (tmp_path / log / "mlperf_log_summary.txt").exists()
+    for log in sc["accuracy_log"]:
+        assert log.startswith("r-loadgen/") and (tmp_path / log / "mlperf_log_accuracy.json").stat().st_size > 0
+    assert (sc["top1_agreement"] == 1.0).all() and sc["accuracy"].notna().all()
+    assert len(list((tmp_path / "r-loadgen" / "reference").glob("*.npy"))) == 2  # one per repeat's weights
     assert "scenario=single-stream" in rows["definition"].iloc[0]
     text = cli("compare", str(out), "--baseline", "numpy").stdout
     assert "Scenario single-stream on LoadGen (below MLPerf's minimum" in text
-    assert "p90 vs numpy" in text and "samples/s vs numpy" in text
+    assert "p90 vs numpy" in text and "samples/s vs numpy" in text and "top-1 = ref" in text and "100.0%" in text
     assert "fastest correct (*): single-stream p90:" in text
     assert cli("compare", str(out), "--plots", str(tmp_path / "p")).returncode == 0
     assert [f.name for f in (tmp_path / "p").glob("*latency-cdf.png")]

@@ -8,6 +8,7 @@ has one, or with ``--slo-ms`` one per probe of the Server's peak search. Per rep
   run with a search: the latencies at a search's probes are of different loads, not one figure);
 - ``sps``: samples/s (Offline's metric; the others' achieved rate);
 - ``peak_qps``: with ``--slo-ms``, the highest target QPS LoadGen called valid (and the audit passed);
+- ``top1``: the accuracy-mode run's top-1 agreement with the NumPy reference;
 - ``valid``: every run of the repeat VALID to LoadGen; ``short``: below MLPerf's minimum.
 
 Verdicts follow ``stats.compare_times`` (the decision rule of every compare time) on the per-repeat
@@ -29,7 +30,7 @@ from .tables import ratio_text
 from .tables_scenarios import VERDICTS
 
 PHASE = "scenario"
-VALUES = ("p50_s", "p90_s", "p99_s", "p999_s", "early_s", "sps", "peak_qps", "valid", "short")
+VALUES = ("p50_s", "p90_s", "p99_s", "p999_s", "early_s", "sps", "peak_qps", "top1", "valid", "short")
 
 
 def _num(rows: pd.DataFrame, col: str) -> pd.Series:
@@ -53,7 +54,7 @@ def per_repeat(df: pd.DataFrame) -> pd.DataFrame:
                     "p99_s": _num(sub, "latency_p99_ms").iloc[-1] / 1e3,
                     "p999_s": _num(sub, "latency_p999_ms").iloc[-1] / 1e3,
                     "early_s": _num(sub, "early_stopping_ms").iloc[-1] / 1e3,
-                    "sps": _num(sub, "samples_per_s").iloc[-1],
+                    "sps": _num(sub, "samples_per_s").iloc[-1], "top1": _num(sub, "top1_agreement").iloc[-1],
                     "peak_qps": (target[valid].max() if valid.any() else math.nan) if searched else math.nan,
                     "valid": bool(valid.all()) if not searched else bool(valid.any()),
                     "short": str(last.get("below_mlperf_minimum")) == "True", "status": last.get("status", "ok")})

@@ -29,6 +29,10 @@ def _ms(x: Any) -> str:
     return "n/a" if x is None or pd.isna(x) else f"{x * 1e3:#.4g}"
 
 
+def _share(x: Any) -> str:
+    return "n/a" if x is None or pd.isna(x) else f"{x:.1%}"
+
+
 def _n(x: Any) -> str:
     return "n/a" if x is None or pd.isna(x) else f"{x:,.0f}"
 
@@ -39,10 +43,10 @@ def blocks(sc: pd.DataFrame, table: Callable[..., str], markdown: bool) -> list[
     short = " (below MLPerf's minimum duration or query count: not compliant)" if sc["short"].any() else ""
     title = f"Scenario {scenario} on LoadGen{short}"
     head = ["backend", "status", "repeats", "LoadGen valid", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms",
-            "early-stop ms", "samples/s", "peak QPS"]
+            "early-stop ms", "samples/s", "peak QPS", "top-1 = ref"]
     rows = [[str(r["label"]), str(r["status"]), str(r["repeats"]), f"{r['valid']}/{r['repeats']}", _ms(r["p50_s"]),
              _ms(r["p90_s"]), _ms(r["p99_s"]), _ms(r["p999_s"]), _ms(r["early_s"]), _n(r["sps"]),
-             _n(r["peak_qps"])] for _, r in sc.iterrows()]
+             _n(r["peak_qps"]), _share(r.get("top1"))] for _, r in sc.iterrows()]
     out = [f"**{title}**" if markdown else title, table(head, rows, left={0, 1})]
     if sc["baseline"].ne("").any():
         base = next((b for b in sc["baseline"] if b), "baseline")

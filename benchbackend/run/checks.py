@@ -279,6 +279,30 @@ def audit(timed: np.ndarray, untimed: np.ndarray, rtol: float, atol: float) -> O
     return None
 
 
+def reference_mismatch(out: np.ndarray, ref: np.ndarray, rtol: float, atol: float) -> Optional[tuple[int, str]]:
+    """(the first sample's place, what differs) where ``out`` (a backend's outputs of the test split,
+    from LoadGen's accuracy mode) is farther from the reference's ``ref`` than the precision's forward
+    tolerance allows, by the forward parity check's rule (``parity_errors``, ``parity_mismatch``: max
+    abs error, and relative to the reference's largest output); None when every sample is within it.
+    A top class that differs within the tolerance (a near tie, at a lower precision) is no mismatch:
+    ``top1_agreement`` counts those."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if out.shape != ref.shape:
+        return 0, f"outputs of shape {out.shape[1:]} for the reference's {ref.shape[1:]}"
+    scale = max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-30)
+    for i, (a, b) in enumerate(zip(out, ref)):
+        err = float(np.max(np.abs(a - b))) if a.size else 0.0
+        if not np.isfinite(err) or parity_mismatch(err, err / scale, rtol, atol):
+            return i, f"outputs differ from the NumPy reference's by {err:.3g} (max abs; {err / scale:.3g} relative)"
+    return None
+
+
+def top1_agreement(out: np.ndarray, ref: np.ndarray) -> float:
+    """The share of samples whose top class in ``out`` is the reference's (``ref``)."""
+    out, ref = np.asarray(out), np.asarray(ref)
+    return float(np.mean(out.argmax(axis=-1) == ref.argmax(axis=-1))) if len(ref) else math.nan
+
+
 def cache_mismatch(rows: Sequence[dict[str, Any]]) -> Optional[str]:
     """A message when a generation's key/value cache holds other bytes than the spec's cache
     dtype gives for the positions it holds (a bf16 cache where the spec says fp32, say)."""

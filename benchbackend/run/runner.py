@@ -318,9 +318,10 @@ class Runner:
                                                                  cell.choice.precision, b.get("peak_datasheet_flops")))
             if b.get("peak_flops") and done > b["peak_flops"]:
                 self._peak_too_low(state, done / b["peak_flops"])
-        if row.get("loadgen_log"):  # beside the CSV: named from its folder, so that the two move together
-            with contextlib.suppress(ValueError):
-                row["loadgen_log"] = str(Path(row["loadgen_log"]).relative_to(self.writer.path.resolve().parent))
+        for key in ("loadgen_log", "accuracy_log"):  # beside the CSV: named from its folder, to move together
+            if row.get(key):
+                with contextlib.suppress(ValueError):
+                    row[key] = str(Path(row[key]).relative_to(self.writer.path.resolve().parent))
         if cell.workload.next_token and row.get("samples_per_s"):  # a sequence is `context` tokens
             row["tokens_per_s"] = row["samples_per_s"] * cell.workload.input_shape[0]
         full = {**state.base, **row, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

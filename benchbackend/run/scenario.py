@@ -10,17 +10,27 @@ complete. The sync is this module's, not the adapter's, as it is for every timed
 sample library (QSL) is the test split, every sample of it loaded (placed before the clock by the
 placement rule).
 
-Each LoadGen run is one ``scenario`` row: LoadGen's latency percentiles, early-stopping estimate,
-queries and samples per second, its own VALID/INVALID verdict, and the folder of its summary and
-detail logs. A share of the timed responses (1%, at least 100: a seeded reservoir over all of
-them) is audited against an untimed pass of the same samples (``checks.audit``): a backend that
-caches, skips or returns stale outputs while timed ends ``audit_failed``. With ``slo_ms`` the
-Server's target rate is searched (:func:`search`), each probe a LoadGen run and a row.
+Before the timed runs, LoadGen's accuracy mode (``TestMode.AccuracyOnly``: every test sample
+issued once, in the scenario's queries, each response's bytes logged to ``mlperf_log_accuracy.json``)
+runs the same SUT once (:meth:`Scenario.accuracy`). Its outputs are compared with the NumPy
+reference's on the test split (``top1_agreement``, and ``accuracy`` on the labels); outputs beyond
+the precision's forward tolerance end the cell ``audit_failed``.
+
+Each timed LoadGen run is one ``scenario`` row: LoadGen's latency percentiles, early-stopping
+estimate, queries and samples per second, its own VALID/INVALID verdict, and the folder of its
+summary and detail logs. A share of the timed responses (at least 1% and at least 100: every
+100th, and a seeded reservoir over all of them) is audited against the accuracy-mode outputs of
+the same samples (``checks.audit``, as MLPerf's TEST01 does): a backend that caches, skips or
+returns stale outputs while timed ends ``audit_failed``. With ``slo_ms`` the Server's target rate
+is searched (:func:`search`), each probe a LoadGen run and a row.
+
+Over 400 lines: the SUT, LoadGen's settings and logs, the accuracy-mode run and the audit against
+it, and the peak search are one protocol around one SUT and its LoadGen runs (the audit reads the
+SUT's reservoir and the accuracy mode's outputs; the search reads the audited rows).
 """
 from __future__ import annotations
 
 import json
-import math
 import queue
 import tempfile
 import threading
@@ -42,24 +52,36 @@ WARMUP_CALLS = 3
 
 @dataclass
 class Reservoir:
-    """A uniform, seeded sample of ``size`` of the timed responses (Algorithm R): (sample index, output)."""
+    """The audited share of the timed responses, (sample index, output): a seeded uniform sample of
+    ``least`` of them (Algorithm R) and every ``stride``-th (the first, the 101st, ...): at least
+    ``least`` and at least 1 / ``stride`` of all offered, however many the run turns out to issue."""
 
-    size: int
+    least: int
     seed: int
+    stride: int = 100
     seen: int = 0
-    kept: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    sample: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (response number, index, output)
+    strided: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng([self.seed % 2**32, 39])
 
     def offer(self, index: int, output: np.ndarray) -> None:
+        got = (self.seen, index, output.copy())
         self.seen += 1
-        if len(self.kept) < self.size:
-            self.kept.append((index, output.copy()))
+        if got[0] % self.stride == 0:
+            self.strided.append(got)
+        if len(self.sample) < self.least:
+            self.sample.append(got)
             return
         j = int(self.rng.integers(self.seen))
-        if j < self.size:
-            self.kept[j] = (index, output.copy())
+        if j < self.least:
+            self.sample[j] = got
+
+    @property
+    def kept(self) -> list[tuple[int, np.ndarray]]:
+        both = {n: (i, out) for n, i, out in [*self.sample, *self.strided]}
+        return [both[n] for n in sorted(both)]
 
 
 class Sut:
@@ -99,7 +121,7 @@ class Sut:
             lg.QuerySamplesComplete([lg.QuerySampleResponse(samples[start + i].id, out.ctypes.data + i * row, row)
                                      for i in range(len(part))])
 
-    def run(self, lg: Any, settings: Any, logs: Path, reservoir: Reservoir) -> tuple[dict[str, Any], float]:
+    def run(self, lg: Any, settings: Any, logs: Path, reservoir: Optional[Reservoir]) -> tuple[dict[str, Any], float]:
         """One LoadGen run: (its detail log's values, wall seconds of the test)."""
         self.reservoir = reservoir
         work: queue.Queue = queue.Queue()
@@ -140,6 +162,21 @@ class Sut:
         return detail(logs / "mlperf_log_detail.txt"), seconds
 
 
+def logged_outputs(path: Path, n: int) -> np.ndarray:
+    """Every test sample's output from LoadGen's accuracy log (``mlperf_log_accuracy.json``: one entry
+    per response, ``qsl_idx`` and the response's bytes as hex), as float32 (n, ...): a sample issued
+    twice (MultiStream's last query is filled up) keeps its first. ValueError for a sample not logged."""
+    got: dict[int, np.ndarray] = {}
+    with open(path) as fh:
+        for entry in json.load(fh):
+            got.setdefault(int(entry["qsl_idx"]), np.frombuffer(bytes.fromhex(entry["data"]), np.float32))
+    missing = sorted(set(range(n)) - set(got))
+    if missing:
+        raise ValueError(f"LoadGen's accuracy log {path} has no output for {len(missing)} test samples "
+                         f"(the first: {missing[0]})")
+    return np.stack([got[i] for i in range(n)])
+
+
 def detail(path: Path) -> dict[str, Any]:
     """The values of LoadGen's detail log (``:::MLLOG {json}`` lines), by key (the last of each)."""
     values: dict[str, Any] = {}
@@ -152,12 +189,13 @@ def detail(path: Path) -> dict[str, Any]:
 
 
 def settings(lg: Any, spec: Any, scenario: str, expected_s: float, rate: float, target_qps: Optional[float],
-             bound_ms: float, samples: int) -> Any:
-    """LoadGen's ``TestSettings`` of one performance run. ``expected_s``: one query's latency and
-    ``rate``: samples/s of back-to-back batches, both measured untimed (LoadGen sizes the run by them)."""
+             bound_ms: float, samples: int, accuracy: bool = False) -> Any:
+    """LoadGen's ``TestSettings`` of one performance run (``accuracy``: of the accuracy-mode run,
+    every sample once). ``expected_s``: one query's latency and ``rate``: samples/s of back-to-back
+    batches, both measured untimed (LoadGen sizes the run by them)."""
     s = lg.TestSettings()
     s.scenario = getattr(lg.TestScenario, LOADGEN[scenario])
-    s.mode = lg.TestMode.PerformanceOnly
+    s.mode = lg.TestMode.AccuracyOnly if accuracy else lg.TestMode.PerformanceOnly
     s.min_duration_ms = int(round(spec.min_duration_s * 1000))
     s.min_query_count = spec.queries(scenario)
     s.performance_sample_count_override = samples
@@ -206,13 +244,15 @@ def figures(values: dict[str, Any], scenario: str, wall: float) -> dict[str, Any
 
 
 class Scenario:
-    """One repeat's scenario runs: measure what LoadGen needs to size them, run, audit, emit."""
+    """One repeat's scenario runs: measure what LoadGen needs to size them, the accuracy-mode run,
+    the timed runs, each audited, emitted."""
 
     def __init__(self, cell: Any, base: dict[str, Any], memory: Callable[[Any], dict[str, Any]], logs: Path,
-                 tag: str):
+                 tag: str, weights: Optional[list[np.ndarray]] = None):
         import mlperf_loadgen as lg
 
         self.lg, self.cell, self.base, self.memory, self.logs, self.tag = lg, cell, base, memory, logs, tag
+        self.weights = weights
         w = cell.workload
         self.spec, self.name = w.loadgen, w.loadgen.scenario
         self.per_query = {"multi-stream": self.spec.multistream_samples, "offline": w.inference.batch_size}.get(
@@ -221,6 +261,10 @@ class Scenario:
         self.n = len(cell.arrays["x_test"])
         hint = cell.backend.details().get("performance_hint")
         self.hint = None if hint is None else str(hint).split(".")[-1]
+        #: The accuracy-mode run's outputs of every test sample, and what the row says of them.
+        self.logged: Optional[np.ndarray] = None
+        self.checked: dict[str, Any] = {}
+        self.notes: list[str] = []
 
     def warm(self) -> tuple[float, float]:
         """Untimed: the query's shape a few times (warm-up), then (seconds of one query, samples/s)."""
@@ -235,34 +279,97 @@ class Scenario:
         one = float(np.median(times[WARMUP_CALLS:]))
         return one, size / one
 
+    def reference(self) -> Optional[np.ndarray]:
+        """The NumPy reference's outputs (float64) of the test split with the cell's weights (None
+        where the adapter cannot give back weights it trained), kept in the logs' folder under a
+        digest of the network, the weights and the inputs: the run's other cells of the same repeat
+        (other backends, scenarios, precisions) read it rather than compute it again."""
+        import hashlib
+        import os
+
+        from ..backends.numpy import reference
+
+        weights = self.weights
+        if weights is None:
+            try:
+                weights = [np.asarray(v) for v in self.cell.backend.get_weights()]
+            except NotImplementedError:
+                return None
+        w, x = self.cell.workload, np.ascontiguousarray(self.cell.arrays["x_test"], np.float32)
+        digest = hashlib.sha256(json.dumps([layer.model_dump(mode="json") for layer in w.model]).encode())
+        for a in [*weights, x]:
+            a = np.ascontiguousarray(a)
+            digest.update(f"{a.dtype}{a.shape}".encode())
+            digest.update(a.data)
+        path = self.logs / "reference" / f"{digest.hexdigest()[:32]}.npy"
+        if path.exists():
+            return np.load(path)
+        # In batches of the forward parity check's size, which every cell runs: the reference adds
+        # nothing to the process's peak memory (``peak_rss_mb``) that the parity check did not.
+        step = w.checks.parity_batch
+        out = np.concatenate([reference.forward(w, weights, x[i:i + step].astype(np.float64), dtype=np.float64)
+                              for i in range(0, len(x), step)])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f"{path.stem}.{os.getpid()}.part.npy")
+        np.save(part, out)
+        os.replace(part, path)  # whole or absent, for a cell running beside this one
+        return out
+
+    def accuracy(self, expected_s: float, rate: float, target_qps: Optional[float], bound_ms: float) -> None:
+        """LoadGen's accuracy mode: every test sample once, in the scenario's queries; its logged
+        outputs are what the timed runs' audits compare with (``self.logged``), and against the NumPy
+        reference they give ``top1_agreement``, ``accuracy`` (on the test labels) and, beyond the
+        precision's tolerance, ``audit_failed`` (``self.checked``)."""
+        from ..backends.base import accuracy
+        from .checks import reference_mismatch, top1_agreement
+
+        folder = self.logs / (self.tag + "-accuracy")
+        s = settings(self.lg, self.spec, self.name, expected_s, rate, target_qps, bound_ms, self.n, accuracy=True)
+        self.sut.run(self.lg, s, folder, None)
+        self.logged = out = logged_outputs(folder / "mlperf_log_accuracy.json", self.n)
+        out = out.reshape(self.n, *np.shape(self.cell.arrays["y_test"])[1:], -1)
+        labels = self.cell.arrays["y_test"]
+        self.checked = {"accuracy_log": str(folder), "accuracy": accuracy(out, labels) if len(labels) else None}
+        ref = self.reference()
+        if ref is None:
+            self.notes.append("no top-1 agreement with the reference: the adapter cannot give back the weights "
+                              "it trained")
+            return
+        ref = ref.reshape(out.shape) if ref.size == out.size else ref
+        self.checked["top1_agreement"] = top1_agreement(out, ref)
+        tol = self.cell.workload.checks.tolerance(self.cell.backend.precision)
+        found = reference_mismatch(out, ref, tol.rtol, tol.atol)
+        if found is not None:
+            self.checked["audit_sample"] = sample = found[0]
+            self.notes.append(f"{self.name} accuracy-mode run, test sample {sample}: {found[1]}")
+
     def one(self, target_qps: Optional[float], bound_ms: float, expected_s: float, rate: float,
             probe: Optional[int] = None) -> dict[str, Any]:
-        """One LoadGen run, audited, as a row (emitted)."""
+        """One timed LoadGen run, audited against the accuracy-mode outputs, as a row (emitted)."""
         from .checks import audit
 
         folder = self.logs / (self.tag + (f"-probe{probe:02d}" if probe is not None else ""))
         s = settings(self.lg, self.spec, self.name, expected_s, rate, target_qps, bound_ms, self.n)
-        expected = max(self.spec.queries(self.name) * self.per_query, self.spec.min_duration_s * rate)
-        reservoir = Reservoir(max(100, math.ceil(0.01 * expected)), self.cell.workload.seed)
+        reservoir = Reservoir(100, self.cell.workload.seed)
         values, wall = self.sut.run(self.lg, s, folder, reservoir)
         row = {**self.base, "phase": PHASE, "scenario": self.name,
                "target_qps": target_qps if self.name == "server" else None,
                "latency_bound_ms": bound_ms if self.name == "server" else None,
                "below_mlperf_minimum": self.spec.below_mlperf_minimum, "loadgen_log": str(folder),
-               "performance_hint": self.hint, "probe": probe, **figures(values, self.name, wall)}
+               "performance_hint": self.hint, "probe": probe, **figures(values, self.name, wall), **self.checked}
         row["seconds"] = (row["samples"] / row["samples_per_s"]) if row["samples"] and row["samples_per_s"] else wall
-        notes = []
+        notes = list(self.notes)
         kept = reservoir.kept
         row["audited"] = len(kept)
-        if kept:
+        if kept and self.logged is not None:
             idx = np.array([k for k, _ in kept])
-            untimed = self.cell.forward(self.cell.arrays["x_test"][idx])
             tol = self.cell.workload.checks.tolerance(self.cell.backend.precision)
-            found = audit(np.stack([o for _, o in kept]), untimed, tol.rtol, tol.atol)
+            found = audit(np.stack([o for _, o in kept]).reshape(len(kept), -1), self.logged[idx], tol.rtol, tol.atol)
             if found is not None:
-                row["audit_sample"] = sample = int(idx[found[0]])
+                sample = int(idx[found[0]])
+                row["audit_sample"] = row.get("audit_sample", sample)
                 notes.append(f"{self.name} run{'' if probe is None else f' (probe {probe})'}, test sample {sample}: "
-                             f"{found[1]} from an untimed pass of the audited samples")
+                             f"{found[1]} from the accuracy-mode run's output")
         if len(kept) < 100:
             notes.append(f"{len(kept)} timed responses audited (fewer than 100 in the run)")
         if not self.sut.gathers:
@@ -279,16 +386,19 @@ class Scenario:
     def run(self) -> None:
         expected_s, rate = self.warm()
         bound = self.spec.slo_ms or self.spec.server_latency_ms
+        # One sample at a time sustains 1 / expected_s queries/s: the default offered rate is half of it.
+        single = 1.0 / expected_s
+        start = self.spec.server_target_qps or 0.5 * single
+        # The accuracy run's latencies are no figure: a Server's arrivals come at the one-at-a-time rate.
+        self.accuracy(expected_s, rate, max(start, single), bound)
         if self.name != "server":
             self.one(None, bound, expected_s, rate)
             return
-        # One sample at a time sustains 1 / expected_s queries/s: the default offered rate is half of it.
-        single = 1.0 / expected_s
-        if self.spec.slo_ms is None:
-            self.one(self.spec.server_target_qps or 0.5 * single, bound, expected_s, rate)
+        if self.spec.slo_ms is None or self.checked.get("audit_sample") is not None:
+            self.one(start, bound, expected_s, rate)  # a failed accuracy run: one probe says so, no search
             return
-        search(lambda qps, k: self.one(qps, bound, expected_s, rate, probe=k), start=self.spec.server_target_qps
-               or 0.5 * single, precision=self.spec.search_precision)
+        search(lambda qps, k: self.one(qps, bound, expected_s, rate, probe=k), start=start,
+               precision=self.spec.search_precision)
 
 
 def valid(row: dict[str, Any]) -> bool:
@@ -337,12 +447,14 @@ def folder(root: str, job: Any) -> tuple[Path, str]:
     return base, f"{w.name}-{w.loadgen.scenario}-{job.backend}-{job.mode}-{job.precision}-r{job.repeat}"
 
 
-def run(cell: Any, base: dict[str, Any], memory: Callable[[Any], dict[str, Any]], job: Any) -> None:
-    """The inference phase of ``job``'s repeat as its workload's scenario (``loadgen.scenario``)."""
+def run(cell: Any, base: dict[str, Any], memory: Callable[[Any], dict[str, Any]], job: Any,
+        weights: Optional[list[np.ndarray]] = None) -> None:
+    """The inference phase of ``job``'s repeat as its workload's scenario (``loadgen.scenario``);
+    ``weights``: the network's, when untrained (else the adapter's ``get_weights``)."""
     from importlib.util import find_spec
 
     if find_spec("mlperf_loadgen") is None:
         cell.emit({"type": "unavailable", "message": "--scenario needs MLPerf's LoadGen: pip install "
                                                      "'benchbackend[loadgen]' (mlcommons-loadgen)"})
         return
-    Scenario(cell, base, memory, *folder(job.options.loadgen_dir, job)).run()
+    Scenario(cell, base, memory, *folder(job.options.loadgen_dir, job), weights=weights).run()

@@ -269,7 +269,7 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit, started: float) -> N
     if workload.loadgen is not None and workload.loadgen.scenario:  # --scenario: MLPerf LoadGen's instead
         from . import scenario
 
-        return scenario.run(cell, base, _memory, job)
+        return scenario.run(cell, base, _memory, job, None if job.trains else weights)
     _infer(cell, base)
 
 
