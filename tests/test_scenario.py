@@ -233,6 +233,7 @@ def test_the_peak_search_finds_the_analytic_rate_for_a_bound(tmp_path: Path) -> 
     good = [r["target_qps"] for r in probes if r["loadgen_valid"] == "valid"]
     bad = [r["target_qps"] for r in probes if r["loadgen_valid"] != "valid"]
     peak = max(good)
+    assert all(r["notes"].count("LoadGen INVALID: ") == 1 for r in probes if r["loadgen_valid"] != "valid")
     assert min(r for r in bad if r > peak) <= peak * 1.02 + 1e-9  # the bracket closed within 2%
     assert peak == pytest.approx(_analytic_rate(service, bound_ms / 1e3), rel=0.05), (peak, service, probes)
     assert checks.cell_status(rows, w)[0] == "ok"
@@ -265,3 +266,16 @@ def test_a_run_keeps_loadgen_logs_beside_the_csv_and_compare_gives_verdicts(tmp_
     assert "fastest correct (*): single-stream p90:" in text
     assert cli("compare", str(out), "--plots", str(tmp_path / "p")).returncode == 0
     assert [f.name for f in (tmp_path / "p").glob("*latency-cdf.png")]
+
+
+def test_an_invalid_run_says_why_from_loadgens_log() -> None:
+    from benchbackend.run.scenario import invalid_because
+
+    early = {"result_perf_constraints_met": True, "early_stopping_met": False, "result_min_duration_met": True,
+             "early_stopping_result": " * Run unsuccessful.  * Processed 662 queries.  * Would need to run at least 495"
+                                      " more queries"}
+    assert invalid_because(early) == ("LoadGen INVALID: early stopping not met (Run unsuccessful. Processed 662 "
+                                      "queries. Would need to run at least 495 more queries)")
+    over = {"result_perf_constraints_met": False, "result_overlatency_query_count": 20, "result_min_queries_met": False}
+    assert invalid_because(over) == ("LoadGen INVALID: latency bound not met (20 queries over it); minimum queries "
+                                     "not met")

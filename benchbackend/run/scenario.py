@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -109,17 +109,23 @@ class Sut:
         b.sync()
         return np.ascontiguousarray(out, np.float32)
 
+    def answer(self, lg: Any, idx: np.ndarray, ids: Optional[Sequence[int]]) -> None:
+        """Samples ``idx`` inferred, offered to the audit, and their responses made and sent to LoadGen
+        as completed under their query sample ``ids`` (None: made, not sent; ``Scenario.warm``)."""
+        out = self.infer(idx)
+        if self.reservoir is not None:
+            for i, k in enumerate(idx):
+                self.reservoir.offer(int(k), out[i])
+        row = out[0].nbytes if len(out) else 0
+        responses = [lg.QuerySampleResponse(0 if ids is None else ids[i], out.ctypes.data + i * row, row)
+                     for i in range(len(idx))]
+        if ids is not None:
+            lg.QuerySamplesComplete(responses)
+
     def serve(self, lg: Any, samples: list[Any]) -> None:
         idx = np.fromiter((s.index for s in samples), np.int64, len(samples))
         for start in range(0, len(idx), self.chunk):
-            part = idx[start:start + self.chunk]
-            out = self.infer(part)
-            if self.reservoir is not None:
-                for i, k in enumerate(part):
-                    self.reservoir.offer(int(k), out[i])
-            row = out[0].nbytes if len(out) else 0
-            lg.QuerySamplesComplete([lg.QuerySampleResponse(samples[start + i].id, out.ctypes.data + i * row, row)
-                                     for i in range(len(part))])
+            self.answer(lg, idx[start:start + self.chunk], [s.id for s in samples[start:start + self.chunk]])
 
     def run(self, lg: Any, settings: Any, logs: Path, reservoir: Optional[Reservoir]) -> tuple[dict[str, Any], float]:
         """One LoadGen run: (its detail log's values, wall seconds of the test)."""
@@ -215,6 +221,23 @@ def _number(values: dict[str, Any], key: str, scale: float = 1.0) -> Optional[fl
     return None if v is None else float(v) * scale
 
 
+def invalid_because(values: dict[str, Any]) -> str:
+    """Why LoadGen called a run INVALID, from its detail log's ``result_*_met`` and early-stopping
+    entries. Under a Server bound, a p99 below it is not enough: with few queries, LoadGen's early
+    stopping allows almost none over it (at 662 queries it asked for ~500 more with 4 over)."""
+    why = []
+    if values.get("result_perf_constraints_met") is False:
+        over = values.get("result_overlatency_query_count")
+        why.append("latency bound not met" + (f" ({over} queries over it)" if over is not None else ""))
+    if values.get("early_stopping_met") is False:
+        text = " ".join(str(values.get("early_stopping_result") or "").replace("*", " ").split())
+        why.append("early stopping not met" + (f" ({text})" if text else ""))
+    for key, what in (("result_min_duration_met", "minimum duration"), ("result_min_queries_met", "minimum queries")):
+        if values.get(key) is False:
+            why.append(f"{what} not met")
+    return "LoadGen INVALID: " + ("; ".join(why) if why else "see its summary log")
+
+
 def figures(values: dict[str, Any], scenario: str, wall: float) -> dict[str, Any]:
     """The row's columns from LoadGen's detail log: percentiles (ms; a MultiStream query's), the
     early-stopping estimate, queries and samples per second, query and sample counts, LoadGen's
@@ -267,15 +290,22 @@ class Scenario:
         self.notes: list[str] = []
 
     def warm(self) -> tuple[float, float]:
-        """Untimed: the query's shape a few times (warm-up), then (seconds of one query, samples/s)."""
+        """Untimed: the query's shape a few times (warm-up), then (seconds of one query, samples/s),
+        each query served as in the run, the audit's copies and the responses included: a backend
+        that answers in microseconds spends most of a sample there, and LoadGen sizes an Offline
+        run by this rate (from the inference alone, a cached backend's 0.2 s run took 17-21 s)."""
         rng = np.random.default_rng([self.cell.workload.seed % 2**32, 40])
         size = min(self.per_query, self.n)
         times = []
-        for _ in range(WARMUP_CALLS + 5):
-            idx = rng.choice(self.n, size=size, replace=False)
-            start = time.perf_counter()
-            self.sut.infer(idx)
-            times.append(time.perf_counter() - start)
+        self.sut.reservoir = Reservoir(100, self.cell.workload.seed)  # thrown away
+        try:
+            for _ in range(WARMUP_CALLS + 5):
+                idx = rng.choice(self.n, size=size, replace=False)
+                start = time.perf_counter()
+                self.sut.answer(self.lg, idx, None)
+                times.append(time.perf_counter() - start)
+        finally:
+            self.sut.reservoir = None
         one = float(np.median(times[WARMUP_CALLS:]))
         return one, size / one
 
@@ -370,6 +400,8 @@ class Scenario:
                 row["audit_sample"] = row.get("audit_sample", sample)
                 notes.append(f"{self.name} run{'' if probe is None else f' (probe {probe})'}, test sample {sample}: "
                              f"{found[1]} from the accuracy-mode run's output")
+        if row.get("loadgen_valid") == "invalid":
+            notes.append(invalid_because(values))
         if len(kept) < 100:
             notes.append(f"{len(kept)} timed responses audited (fewer than 100 in the run)")
         if not self.sut.gathers:
