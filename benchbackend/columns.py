@@ -198,6 +198,13 @@ DECLARED: tuple[Column, ...] = (
     _c("performance_hint", T, "the performance hint the runtime compiled with (OpenVINO's LATENCY or THROUGHPUT, "
                               "following the scenario); empty where there is none", version=12),
     _c("probe", N, "`--slo-ms`: the peak search's probe, 1..K, each a LoadGen run at `target_qps`", version=12),
+    _c("loss_audited", N, "a `train_epoch` row's steps whose reported loss was recomputed outside the clock (the "
+                          "first step of every epoch, epoch 1's first `--parity-steps` too); 0 where steps cannot be "
+                          "recomputed (dropout: only the epoch's mean is checked); empty where the adapter hands "
+                          "back no step losses (docs/results.md \"The loss audit\")", version=13),
+    _c("audit_step", N, "a `train_epoch` row's first step whose reported loss differs from its recomputation, 0 "
+                        "when the epoch's loss is not the mean of its step losses (`audit_failed`); empty when all "
+                        "agree", version=13),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).
