@@ -85,6 +85,13 @@ def test_the_cli_ends_a_planted_cell_audit_failed_in_real_worker_processes(
     assert epochs.loc[2, "audit_step"] == 1 and np.isnan(epochs.loc[1, "audit_step"])
 
 
+def test_an_adapter_that_keeps_no_step_losses_is_noted_not_passed_silently(tmp_path: Path) -> None:
+    w = _mnist(epochs=1)
+    _, rows = run_cell(tmp_path, w, "numpy", target="support.stale_loss:SilentBackend")
+    (epoch,) = _epochs(rows)
+    assert epoch.get("loss_audited") is None and epoch["notes"] == loss_audit.NOT_SUPPORTED, epoch
+
+
 def test_steps_of_a_network_with_dropout_are_not_recomputed_and_say_so(tmp_path: Path) -> None:
     w = workload.load("mnist").with_overrides(limit=128, epochs=1)
     layers = list(w.model)

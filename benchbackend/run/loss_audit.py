@@ -30,6 +30,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..backends.base import Backend
+
+NOT_SUPPORTED = "loss audit: not supported by this adapter (it hands back no step losses)"
+
 #: The probability clip of Keras' cross-entropy (``backend.epsilon()``); the others do not clip.
 KERAS_CLIP = 1e-7
 
@@ -81,8 +85,11 @@ class Audit:
         self.cell, self.trajectory = cell, trajectory or []
         self.tols = w.checks.trajectory(cell.backend.precision, max(1, len(self.trajectory)))
         self.skip = ""  # why no step is recomputed ("": they are)
-        self.supported = True  # the adapter hands back its step losses (known after epoch 1)
-        if replicas > 1:
+        self.supported = True  # the adapter hands back its step losses
+        if getattr(type(cell.backend), "step_losses", Backend.step_losses) is Backend.step_losses:
+            self.supported = False  # nothing to recompute for (a Keras fit twin costs a build)
+            self.skip = NOT_SUPPORTED
+        elif replicas > 1:
             self.supported = False
             self.skip = "loss audit: not supported for data-parallel replicas (each replica's steps are its shard's)"
         elif any(layer.type == "dropout" for layer in getattr(w, "model", [])):
@@ -133,7 +140,7 @@ class Audit:
         kept = b.step_losses()
         if kept is None:
             self.supported = False
-            self.skip = "loss audit: not supported by this adapter (it hands back no step losses)"
+            self.skip = NOT_SUPPORTED
             return {"notes": self.skip}
         bs = self.cell.workload.training.batch_size
         sizes = np.minimum(bs, n - np.arange(0, n, bs)).astype(np.float64)

@@ -6,6 +6,8 @@ only by the tests (issue 43's loss audit, ``run/loss_audit.py``):
 - ``FixedBatchLossBackend``: reports, for every step, the loss of one fixed batch (the first batch
   of the first epoch) at the step's weights, as a loss "sampled" on a held batch would be, and
   their plain mean as the epoch's (the short last batch weighted as a full one).
+- ``SilentBackend``: the reference as an adapter that keeps no step losses (the contract's
+  default ``step_losses``, as Keras' ``fit`` adapters): its epochs are noted as not audited.
 - ``FirstBatchMeanBackend``: keeps honest step losses but reports the epoch's first step's loss as
   the epoch's mean (the loss of one batch, not of the timed epoch).
 """
@@ -15,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from benchbackend.backends.base import batches
+from benchbackend.backends.base import Backend, batches
 from benchbackend.backends.numpy import ops
 from benchbackend.backends.numpy.reference import NumpyBackend, train_step
 
@@ -47,3 +49,7 @@ class FirstBatchMeanBackend(NumpyBackend):
     def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
         _, acc = super().train_epoch(order)
         return float(self._losses[0]), acc
+
+
+class SilentBackend(NumpyBackend):
+    step_losses = Backend.step_losses
