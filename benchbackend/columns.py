@@ -206,6 +206,13 @@ DECLARED: tuple[Column, ...] = (
                             "adapter cannot give back weights it trained", version=13),
     _c("accuracy_log", T, "the folder of the LoadGen accuracy-mode run a `scenario` row's `top1_agreement`, "
                           "`accuracy` and audit were read from (its `mlperf_log_accuracy.json`)", version=13),
+    _c("loss_audited", N, "a `train_epoch` row's steps whose reported loss was recomputed outside the clock (the "
+                          "first step of every epoch, epoch 1's first `--parity-steps` too); 0 where steps cannot be "
+                          "recomputed (dropout: only the epoch's mean is checked); empty where the adapter hands "
+                          "back no step losses (docs/results.md \"The loss audit\")", version=13),
+    _c("audit_step", N, "a `train_epoch` row's first step whose reported loss differs from its recomputation, 0 "
+                        "when the epoch's loss is not the mean of its step losses (`audit_failed`); empty when all "
+                        "agree", version=13),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).

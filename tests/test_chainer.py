@@ -112,6 +112,8 @@ def test_both_modes_train_ok_with_parity(mnist_runs, mode: str) -> None:
     assert trajectory["steps"] == 16 and trajectory["parity_step"] is None, trajectory
     epochs = rows(msgs, "train_epoch")
     assert [r["epoch"] for r in epochs] == [1, 2] and epochs[1]["loss"] < epochs[0]["loss"]
+    # the loss audit (run/loss_audit.py): epoch 1's 16 trajectory steps, epoch 2's first step
+    assert [(r["loss_audited"], r.get("audit_step")) for r in epochs] == [(16, None), (1, None)], epochs
     assert cell_status(msgs, w) == ("ok", "")
     assert msgs[-1] == {"type": "done"}
 

@@ -31,6 +31,10 @@ def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp
     path = _run(monkeypatch, tmp_path, "--epochs", "2", "--parity-steps", "2", "--batch-size", "50")
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)  # as a user reads it, no benchbackend
     assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 13
+    # Schema 13: each epoch's losses audited (run/loss_audit.py): epoch 1's first step and the 2
+    # trajectory steps (step 1 is both), epoch 2's first step; no step that differs.
+    epochs = raw[raw["phase"] == "train_epoch"]
+    assert epochs["loss_audited"].tolist() == ["2", "1"] and set(epochs["audit_step"]) == {""}
     # Schema 12: every timed row has an MFU no higher than 1 or says why it has none; a CPU cell's
     # rows say whether the CPU has bf16 instructions (this machine's own flags).
     timed = raw[raw["phase"].isin(["train_epoch", "inference"])]

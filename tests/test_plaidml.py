@@ -194,6 +194,13 @@ def test_forward_matches_the_numpy_reference(normal_run) -> None:
                                   w.checks.parity_atol) is None, forward
 
 
+def test_timed_epochs_pass_the_loss_audit(normal_run) -> None:
+    """run/loss_audit.py: epoch 1's 3 trajectory steps, then each epoch's first step, all agree."""
+    _, msgs = normal_run
+    epochs = rows(msgs, "train_epoch")
+    assert [(r["loss_audited"], r.get("audit_step")) for r in epochs] == [(3, None), (1, None), (1, None)], epochs
+
+
 def test_first_training_steps_follow_the_reference(normal_run) -> None:
     w, msgs = normal_run
     trajectory = checks.trajectory(next(r for r in rows(msgs, "parity") if r.get("steps")), w)

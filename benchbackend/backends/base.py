@@ -34,6 +34,9 @@ The worker (``benchbackend.run.worker``) drives an adapter through one repeat of
 7. ``train_epoch(order)``: one epoch over the training arrays in exactly the given sample order,
    with the workload's batch size, optimizer and loss. Returns ``(mean loss, accuracy)``, which
    may be lazy values (device scalars).
+   ``step_losses()`` (optional) then returns the loss of each of its steps, for the loss audit
+   (``benchbackend.run.loss_audit``): the values the epoch already computed, kept without a host
+   sync inside the clock (a list of device scalars, stacked only when the worker asks, outside it).
 8. ``to_host(value)``: a NumPy array or Python float for a value ``scores``/``train_epoch``
    returned. ``sync()``: wait until the device is idle (a real call into the framework wherever
    the framework can have work in flight, copies included).
@@ -53,6 +56,9 @@ inference passes are all derived from ``scores`` in one place (``benchbackend.ru
 
 Adapters import their framework at module top: only the worker imports an adapter, after the
 backend's environment variables (``BackendSpec.env``) are in its process environment.
+
+Over 400 lines: the contract is one class, each method documented where an adapter reads it, beside
+the helpers every adapter shares (``batches``, ``accuracy``, ``cross_entropy``, the GEMM probe).
 """
 from __future__ import annotations
 
@@ -173,6 +179,12 @@ class Backend(ABC):
     def train_epoch(self, order: np.ndarray) -> tuple[Any, Any]:
         """Train one epoch over the training samples in ``order``; return (mean loss, accuracy)."""
         raise NotImplementedError(f"{self.name} does not train")
+
+    def step_losses(self) -> Any:
+        """The loss of each step of the last ``train_epoch``, in order, as that epoch computed them
+        (may be lazy: the worker brings them to the host outside the clock), for the loss audit. None
+        (the default): this adapter keeps none, and its epochs are noted as not audited."""
+        return None
 
     def to_host(self, value: Any) -> Any:
         """A host value (NumPy array or float) for what ``scores``/``train_epoch`` returned."""

@@ -3,6 +3,9 @@
 Pure functions of measured numbers; the runner applies them to a cell's rows and sets the
 cell's status. NumPy only (SciPy is imported inside ``chance_pvalue``), so the worker can use
 ``finite`` and ``parity_errors`` from any backend's environment.
+
+Over 400 lines: every check a cell's status is decided by, beside the one function that decides it
+(``cell_status``), so that its order of precedence reads in one place.
 """
 from __future__ import annotations
 
@@ -354,8 +357,9 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
     """Final (status, message) of one cell from its worker rows (runner-level statuses aside).
 
     Order: ``nan_loss``, ``diverged``, ``parity_mismatch`` (forward at the precision's tolerance,
-    then the trajectory), ``audit_failed`` (a timed inference pass's outputs are not an untimed
-    pass's), ``generation_mismatch`` (greedy tokens, then the cache's bytes), then for
+    then the trajectory), ``audit_failed`` (a timed epoch's step losses are not their recomputation,
+    ``run/loss_audit.py``; a timed inference pass's outputs are not an untimed pass's),
+    ``generation_mismatch`` (greedy tokens, then the cache's bytes), then for
     cells that trained ``chance_accuracy``, or for a language model ``future_leak`` and the token
     form of ``chance_accuracy`` (``token_checks``).
     """
@@ -379,6 +383,10 @@ def cell_status(rows: Sequence[dict[str, Any]], workload: Any, precision: str = 
             msg = parity_mismatch(r["parity_max_abs"], r["parity_max_rel"], tol.rtol, tol.atol)
             if msg:
                 return "parity_mismatch", f"{msg} ({precision})"
+    for r in rows:
+        if r.get("phase") == "train_epoch" and finite(r.get("audit_step")):  # loss_audit
+            return "audit_failed", (r.get("notes") or
+                                    f"training epoch {r.get('epoch')}, step {r['audit_step']}: reported loss differs")
     for r in rows:
         if r.get("phase") in ("inference", "scenario") and finite(r.get("audit_sample")):
             return "audit_failed", (r.get("notes") or

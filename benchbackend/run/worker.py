@@ -138,7 +138,9 @@ class Repeat:
 
 
 def _parity(cell: Repeat, weights: list[np.ndarray], steps: int, base: dict[str, Any], trains: bool = True,
-            replicas: int = 1) -> None:
+            replicas: int = 1) -> list[float]:
+    """Forward parity and, with ``steps``, the trajectory check; returns the trajectory's step losses
+    (what epoch 1's first steps must report: ``loss_audit``), [] without it."""
     from ..backends.numpy import reference
     from . import truth
     from .checks import parity_errors
@@ -160,7 +162,7 @@ def _parity(cell: Repeat, weights: list[np.ndarray], steps: int, base: dict[str,
         cell.emit({**base, "phase": "parity", "samples": len(x), "parity_max_abs": max_abs,
                    "parity_max_rel": max_rel, "notes": "training mode (batch statistics)"})
     if steps <= 0:
-        return
+        return []
     bs = workload.training.batch_size
     order = arrays["orders"][0]
     batch_list = [(arrays["x_train"][order[i * bs:(i + 1) * bs]], arrays["y_train"][order[i * bs:(i + 1) * bs]])
@@ -174,6 +176,7 @@ def _parity(cell: Repeat, weights: list[np.ndarray], steps: int, base: dict[str,
     # Raw values only: checks.trajectory decides, with the workload's tolerance.
     cell.emit({**base, "phase": "parity", "steps": len(losses), "losses": losses,
                "reference_losses": [float(v) for v in ref_losses]})
+    return losses
 
 
 def run_job(job: Job, emit: Emit, started: Optional[float] = None) -> None:
@@ -251,7 +254,7 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit, started: float) -> N
 
     parity_steps = job.parity_steps if job.trains else 0
     checking = time.time()
-    _parity(cell, weights, parity_steps, base, job.trains, job.options.replicas)
+    trajectory = _parity(cell, weights, parity_steps, base, job.trains, job.options.replicas)
     if parity_steps:
         backend.build(weights)  # the trajectory check trained a few steps: start over from the shared weights
         backend.set_data(arrays["x_train"], arrays["y_train"])
@@ -264,7 +267,7 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit, started: float) -> N
         except BackendUnavailable as exc:  # a mode or precision the backend cannot generate in
             emit({"type": "unavailable", "message": str(exc).splitlines()[0]})
         return
-    if job.trains and not _train(cell, base):
+    if job.trains and not _train(cell, base, trajectory, job.options.replicas):
         return  # nan_loss: stop this repeat; its rows are kept
     if workload.loadgen is not None and workload.loadgen.scenario:  # --scenario: MLPerf LoadGen's instead
         from . import scenario
@@ -302,27 +305,37 @@ def _infer(cell: Repeat, base: dict[str, Any]) -> None:
                    **cell.dispatch.see("inference", i, began, seconds, batches)})
 
 
-def _train(cell: Repeat, base: dict[str, Any]) -> bool:
-    """Timed epochs, each followed by an untimed validation pass. False when a loss went NaN/inf."""
+def _train(cell: Repeat, base: dict[str, Any], trajectory: Optional[list[float]] = None, replicas: int = 1) -> bool:
+    """Timed epochs, each followed by an untimed validation pass, each audited through its step
+    losses outside the clock (``loss_audit``; ``trajectory``: the trajectory check's losses, what
+    epoch 1's first steps must report). False when a loss went NaN/inf."""
+    from .loss_audit import Audit
+
     arrays, workload, backend = cell.arrays, cell.workload, cell.backend
+    audit = Audit(cell, trajectory, replicas)
     n_train = len(arrays["y_train"])
     val_split = cell.val_split
     n_val = len(arrays[f"y_{val_split}"])
     steps = -(-n_train // workload.training.batch_size)
     backend.comm_seconds()  # the trajectory check's steps communicated too: not an epoch's
     for epoch, order in enumerate(arrays["orders"][: workload.training.epochs], start=1):
+        checking = time.time()
+        audit.before(epoch, order)  # the loss its first step must report, from the epoch's starting weights
+        if epoch == 1:  # the harness's own work, no part of the time to a first result
+            cell.dispatch.exclude(time.time() - checking)
         backend.barrier()  # replicas that each run the whole cell line up outside the clock
         began = time.time()
         (loss, acc), seconds = cell.region(lambda: backend.train_epoch(order))
         load = cell.load  # the epoch's, before validation (untimed) runs
         comm = backend.comm_seconds()
         loss, acc = float(loss), float(acc)
+        audited = audit.after(epoch, loss, n_train)
         finite = bool(np.isfinite(loss))
         val_loss, val_acc = cell.evaluate(val_split) if finite else (float("nan"), float("nan"))
         cell.emit({**base, "phase": "train_epoch", "epoch": epoch, "samples": n_train, "seconds": seconds,
                    "samples_per_s": n_train / seconds if seconds > 0 else None, "loss": loss, "accuracy": acc,
                    "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": n_val, "steps": steps,
-                   "comm_s": comm, **_memory(backend), **load,
+                   "comm_s": comm, **audited, **_memory(backend), **load,
                    **cell.dispatch.see("train", epoch, began, seconds, steps)})
         if not finite:
             return False

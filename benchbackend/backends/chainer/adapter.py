@@ -226,14 +226,20 @@ class ChainerBackend(CupyMemory, Backend):
         x, y = self.x_train[idx], self.y_train[idx]
         bs = self.workload.training.batch_size
         losses, correct = [], []
+        self._losses: list[Any] = []  # each step's, for the loss audit (``step_losses``)
         with self._config(train=True):
             for start in range(0, len(order), bs):
                 yb = self._feed(y[start:start + bs])
                 loss, logits = self._step(self._feed(x[start:start + bs]), yb)
                 losses.append(loss * len(yb))
+                self._losses.append(loss)
                 correct.append((logits.argmax(axis=-1) == yb).sum())  # a class per sample, or per position
         xp, n = self.xp, max(len(order), 1)
         return xp.stack(losses).sum() / n, xp.stack(correct).sum() / max(y.size, 1)
+
+    def step_losses(self) -> Any:
+        kept = getattr(self, "_losses", None)
+        return None if kept is None else self.xp.stack([self.xp.asarray(v) for v in kept])
 
     def scores(self, x: Any, batch_size: int) -> Any:
         assert self.net is not None

@@ -222,8 +222,8 @@ class JaxBackend(Generates, Backend):
         def train_one(params, opt, acc, x, y, start, key, i, size):
             xb = lax.dynamic_slice_in_dim(x, start, size)
             yb = lax.dynamic_slice_in_dim(y, start, size)
-            params, opt, acc, _ = step(params, opt, acc, xb, yb, key_at(key, i))
-            return params, opt, acc
+            params, opt, acc, loss = step(params, opt, acc, xb, yb, key_at(key, i))
+            return params, opt, acc, loss  # the step's loss too: the loss audit's (``step_losses``)
 
         @partial(jax.jit, donate_argnums=(0, 1, 2))
         def train_block(params, opt, acc, x, y, first, key, s0):
@@ -234,12 +234,12 @@ class JaxBackend(Generates, Backend):
             def body(carry, batch):
                 p, o, a = carry
                 xb, yb, j = batch  # j: batch index within the epoch; s0 + j is the global step
-                p, o, a, _ = step(p, o, a, xb, yb, key_at(key, s0 + j))
-                return (p, o, a), None
+                p, o, a, loss = step(p, o, a, xb, yb, key_at(key, s0 + j))
+                return (p, o, a), loss
 
             steps = first + jnp.arange(k, dtype=jnp.int32)
-            (params, opt, acc), _ = lax.scan(body, (params, opt, acc), (xs, ys, steps), unroll=self.unroll)
-            return params, opt, acc
+            (params, opt, acc), losses = lax.scan(body, (params, opt, acc), (xs, ys, steps), unroll=self.unroll)
+            return params, opt, acc, losses
 
         @jax.jit
         def no_dropout_step(params, opt, x, y):
@@ -323,23 +323,32 @@ class JaxBackend(Generates, Backend):
         acc = jax.device_put((np.zeros((), np.float32), np.zeros((), np.int32)), self.device)
         params, opt, key, s0 = self.params, self.opt, self.key, self.step_count
         blocks, singles, short = _split(n, bs, k)
+        self._losses = kept = []  # each dispatch's step losses, on the device (``step_losses``)
         for b in range(blocks):
             # Batch `first` of the fed array is the epoch's batch b*k: its dropout key stays s0 + b*k + j.
             (xs, at), (ys, _) = self._feed(x, b * k * bs, k * bs), self._feed(y, b * k * bs, k * bs)
             first = at // bs
-            params, opt, acc = self._train_block(params, opt, acc, xs, ys, first, key, np.int32(s0 + b * k - first))
+            params, opt, acc, losses = self._train_block(params, opt, acc, xs, ys, first, key,
+                                                         np.int32(s0 + b * k - first))
+            kept.append(losses)
         for b in range(blocks * k, blocks * k + singles):
             (xb, at), (yb, _) = self._feed(x, b * bs, bs), self._feed(y, b * bs, bs)
-            params, opt, acc = self._train_one(params, opt, acc, xb, yb, at, key, np.int32(s0 + b), size=bs)
+            params, opt, acc, loss = self._train_one(params, opt, acc, xb, yb, at, key, np.int32(s0 + b), size=bs)
+            kept.append(loss)
         if short:
             b = blocks * k + singles
             (xb, at), (yb, _) = self._feed(x, b * bs, short), self._feed(y, b * bs, short)
-            params, opt, acc = self._train_one(params, opt, acc, xb, yb, at, key, np.int32(s0 + b), size=short)
+            params, opt, acc, loss = self._train_one(params, opt, acc, xb, yb, at, key, np.int32(s0 + b), size=short)
+            kept.append(loss)
         self.params, self.opt = params, opt
         self.step_count = s0 + (n + bs - 1) // bs
         self._pending = acc
         # lazy: the worker fetches and syncs; accuracy over every predicted position
         return acc[0] / n, acc[1].astype(jnp.float32) / (n * self._positions)
+
+    def step_losses(self) -> Optional[jax.Array]:
+        kept = getattr(self, "_losses", None)
+        return None if kept is None else jnp.concatenate([jnp.ravel(v).astype(jnp.float32) for v in kept])
 
     def scores(self, x: jax.Array, batch_size: int) -> jax.Array:
         n = int(x.shape[0])

@@ -16,6 +16,9 @@ optimizer formulas and defaults, Nesterov's SGD and decoupled weight decay inclu
 ``_numpy_ops``). A network that does not end in softmax has its outputs taken as logits by the
 loss (``from_logits=True``). The network is the resolved graph (``benchbackend.spec.graph``): a layer's
 gradient is the sum over every layer that reads its output.
+
+Over 400 lines: the ground truth and the backend share one network (``Network``), and the
+conventions it defines read in one place.
 """
 from __future__ import annotations
 
@@ -374,14 +377,20 @@ class NumpyBackend(Generates, CupyMemory, Backend):
         x_all, y_all = self.train_data
         order = (xp if self.data_on_device else np).asarray(order)
         loss_sum, correct = xp.zeros((), np.float64), xp.zeros((), np.int64)
+        self._losses: list[Array] = []  # each step's, for the loss audit (``step_losses``)
         for idx in batches(order, self.workload.training.batch_size):
             x, labels = xp.asarray(x_all[idx]), xp.asarray(y_all[idx])  # a copy only when held on the host
             y = ops.one_hot(labels, self.workload.num_classes, self.dtype)
             loss, scores = train_step(net, self.optimizer, x, y, self.workload.training, self.rng)
             loss_sum += loss * len(idx)
+            self._losses.append(loss)
             correct += (scores.argmax(axis=-1) == labels).sum()  # every position's, for a language model
         n = len(order)
         return loss_sum / n, correct / (n * (y_all[0].size if len(y_all) else 1))
+
+    def step_losses(self) -> Any:
+        losses = getattr(self, "_losses", None)
+        return None if losses is None else self.xp.stack([self.xp.asarray(v) for v in losses])
 
     def scores(self, x: Array, batch_size: int) -> Array:
         net, xp = self._net(), self.xp

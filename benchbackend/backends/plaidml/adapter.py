@@ -203,13 +203,19 @@ class PlaidMLBackend(Backend):
         bs = self.workload.training.batch_size
         x, y = self.x_train, self.y1_train
         loss_sum = correct = 0.0
+        self._losses: list[float] = []  # each step's, for the loss audit (``step_losses``)
         for start in range(0, len(order), bs):
             idx = order[start:start + bs]
             loss, acc = self.model.train_on_batch(x[idx], y[idx])  # host floats
             loss_sum += float(loss) * len(idx)
+            self._losses.append(float(loss))
             correct += float(acc) * len(idx)
         n = len(order)
         return loss_sum / n, correct / n
+
+    def step_losses(self) -> Optional[np.ndarray]:
+        kept = getattr(self, "_losses", None)
+        return None if kept is None else np.asarray(kept, np.float64)
 
     def scores(self, x: np.ndarray, batch_size: int) -> np.ndarray:
         if len(x) == 0:

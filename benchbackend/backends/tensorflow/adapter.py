@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import keras
 import numpy as np
@@ -225,7 +225,12 @@ class TensorFlowBackend(KerasGeneration, Backend):
             sizes = tf.constant(np.minimum(bs, n - np.arange(0, n, bs)), tf.float32)
             mean_loss = tf.reduce_sum(tf.stack(losses) * sizes) / n
             acc = tf.reduce_sum(tf.stack(correct)) / n
+        self._losses = losses  # device scalars, stacked outside the clock (``step_losses``)
         return mean_loss, acc  # device values: the worker fetches them (the sync) before the clock
+
+    def step_losses(self) -> Optional[tf.Tensor]:
+        losses = getattr(self, "_losses", None)
+        return None if losses is None else tf.cast(tf.stack(losses), tf.float32)
 
     def scores(self, x: tf.Tensor, batch_size: int) -> tf.Tensor:
         n = int(x.shape[0])

@@ -327,7 +327,12 @@ class TorchBackend(Backend):
         sizes = torch.tensor([len(p) for p in preds], dtype=torch.float32, device=self.device)
         loss_sum = (torch.stack(losses) * sizes).sum()  # a batch's loss is its mean over samples (positions)
         correct = (torch.cat(preds) == y).sum()
+        self._losses = losses  # device scalars, stacked outside the clock (``step_losses``)
         return loss_sum / n, correct / max(y.numel(), 1)  # device scalars: the worker fetches them and syncs
+
+    def step_losses(self) -> Optional[torch.Tensor]:
+        losses = getattr(self, "_losses", None)
+        return None if losses is None else torch.stack(losses).float()
 
     @torch.no_grad()
     def scores(self, x: torch.Tensor, batch_size: int) -> torch.Tensor:
