@@ -13,7 +13,7 @@ from support.sleeping_backend import SERVICE_S, tiny
 
 from benchbackend.run import checks
 from benchbackend.spec import loadgen
-from conftest import cli, invoke, one_line_error, requires, run_cell
+from conftest import any_cell, backend_params, cli, invoke, one_line_error, requires, run_cell
 
 pytest.importorskip("mlperf_loadgen", reason="--scenario needs mlcommons-loadgen (pip install 'benchbackend[loadgen]')")
 
@@ -280,3 +280,14 @@ def test_an_invalid_run_says_why_from_loadgens_log() -> None:
     over = {"result_perf_constraints_met": False, "result_overlatency_query_count": 20, "result_min_queries_met": False}
     assert invalid_because(over) == ("LoadGen INVALID: latency bound not met (20 queries over it); minimum queries "
                                      "not met")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", backend_params(["chainer"], build_isolated=True))
+def test_an_isolated_environments_worker_runs_a_scenario(tmp_path: Path, envs_root: Path, backend: str) -> None:
+    # Its environment installs LoadGen from its own pins file; without it the cell is unavailable.
+    w = loadgen.with_scenario(tiny(), "single-stream", min_duration_s=0.2, min_query_count=32)
+    rows = any_cell(tmp_path, w, backend, envs_root, trains=False)
+    (row,) = [r for r in rows if r["phase"] == "scenario"]
+    assert row["loadgen_valid"] == "valid" and row["top1_agreement"] == 1.0, row
+    assert checks.cell_status(rows, w)[0] == "ok"
