@@ -254,3 +254,11 @@ def test_a_slowdown_is_also_said_as_its_inverse() -> None:
     assert tables.ratio_text(slow) == "slower: 0.361x [0.330-0.395] (2.77x slower)"
     fast = stats.Ratio(ratio=1.85, low=1.6, high=2.1, pvalue=0.001, significant=True, testable=True)
     assert tables.ratio_text(fast) == "faster: 1.85x [1.60-2.10]"
+
+
+def test_latency_percentiles_follow_loadgens_rule() -> None:
+    # LoadGen (results.cc, ProcessLatencies): sorted latencies at index floor(n q); never interpolated.
+    values = np.arange(100, 0, -1, dtype=float)  # 100..1, unsorted
+    assert [stats.latency_percentile(values, q) for q in (0.5, 0.9, 0.99)] == [51.0, 91.0, 100.0]
+    assert stats.latency_percentile([3.0, 1.0, 2.0, 4.0], 0.9) == 4.0  # index 3; NumPy's linear: 3.7
+    assert stats.latency_percentile([5.0], 0.99) == 5.0 and math.isnan(stats.latency_percentile([], 0.5))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -220,3 +220,12 @@ def median_interval(values: np.ndarray) -> tuple[float, float, str]:
     return float(values[k - 1]), float(values[n - k]), CI_LABEL
 
 
+def latency_percentile(values: Sequence[float], q: float) -> float:
+    """MLPerf LoadGen's latency percentile: the value at index floor(n q) of the sorted latencies
+    (``PerformanceSummary::ProcessLatencies`` in LoadGen's results.cc), ``q`` in [0, 1). A scenario
+    row's percentiles are LoadGen's, by this rule; generation's TPOT percentiles use this function,
+    so a p99 means the same in both (NumPy's default interpolates between two latencies instead)."""
+    ordered = np.sort(np.asarray(values, dtype=float))
+    if not len(ordered):
+        return math.nan
+    return float(ordered[min(int(len(ordered) * q), len(ordered) - 1)])
