@@ -268,18 +268,7 @@ def audit(timed: np.ndarray, untimed: np.ndarray, rtol: float, atol: float) -> O
     apart than the precision's forward tolerance (relative to the largest output, or absolute) allows.
     None when every sample agrees. Both passes ran on this backend, at this precision: only a pass
     that returns stale, cached or skipped outputs, or outputs of other samples, parts them."""
-    timed, untimed = np.asarray(timed, np.float64), np.asarray(untimed, np.float64)
-    if timed.shape != untimed.shape:
-        return 0, f"outputs of shape {timed.shape[1:]} for {untimed.shape[1:]}"
-    scale = max(float(np.max(np.abs(untimed))) if untimed.size else 0.0, 1e-30)
-    for i, (a, b) in enumerate(zip(timed, untimed)):
-        err = float(np.max(np.abs(a - b))) if a.size else 0.0
-        if not np.isfinite(err) or (err > atol and err / scale > rtol):
-            return i, f"outputs differ by {err:.3g} (max abs; {err / scale:.3g} relative)"
-        top_a, top_b = a.argmax(axis=-1), b.argmax(axis=-1)
-        if np.any(top_a != top_b):
-            return i, f"top class {int(np.ravel(top_a)[0])} vs {int(np.ravel(top_b)[0])}"
-    return None
+    return _first_apart(timed, untimed, rtol, atol, reference=False)
 
 
 def reference_mismatch(out: np.ndarray, ref: np.ndarray, rtol: float, atol: float) -> Optional[tuple[int, str]]:
@@ -289,14 +278,28 @@ def reference_mismatch(out: np.ndarray, ref: np.ndarray, rtol: float, atol: floa
     abs error, and relative to the reference's largest output); None when every sample is within it.
     A top class that differs within the tolerance (a near tie, at a lower precision) is no mismatch:
     ``top1_agreement`` counts those."""
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    if out.shape != ref.shape:
-        return 0, f"outputs of shape {out.shape[1:]} for the reference's {ref.shape[1:]}"
-    scale = max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-30)
-    for i, (a, b) in enumerate(zip(out, ref)):
+    return _first_apart(out, ref, rtol, atol, reference=True)
+
+
+def _first_apart(got: np.ndarray, want: np.ndarray, rtol: float, atol: float,
+                 reference: bool) -> Optional[tuple[int, str]]:
+    """(the first sample's place, what differs) where ``got`` is farther from ``want`` than the forward
+    tolerance allows (``parity_mismatch``'s rule: max abs error, and relative to ``want``'s largest
+    output); None when every sample agrees. ``reference``: ``want`` is the NumPy reference's outputs;
+    else another pass of the same backend, whose top class must also be ``got``'s."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    whose, source = ("the reference's ", " from the NumPy reference's") if reference else ("", "")
+    if got.shape != want.shape:
+        return 0, f"outputs of shape {got.shape[1:]} for {whose}{want.shape[1:]}"
+    scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-30)
+    for i, (a, b) in enumerate(zip(got, want)):
         err = float(np.max(np.abs(a - b))) if a.size else 0.0
         if not np.isfinite(err) or parity_mismatch(err, err / scale, rtol, atol):
-            return i, f"outputs differ from the NumPy reference's by {err:.3g} (max abs; {err / scale:.3g} relative)"
+            return i, f"outputs differ{source} by {err:.3g} (max abs; {err / scale:.3g} relative)"
+        if not reference:
+            top_a, top_b = a.argmax(axis=-1), b.argmax(axis=-1)
+            if np.any(top_a != top_b):
+                return i, f"top class {int(np.ravel(top_a)[0])} vs {int(np.ravel(top_b)[0])}"
     return None
 
 
