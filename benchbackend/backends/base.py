@@ -343,14 +343,20 @@ def accuracy(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean(np.argmax(scores, axis=-1) == labels)) if labels.size else float("nan")
 
 
-def cross_entropy(probs: np.ndarray, labels: np.ndarray) -> float:
-    """Mean categorical cross-entropy of class probabilities, clipped as Keras clips (1e-7): over
-    the samples, or over every position of token sequences (the next-token loss)."""
+#: The probability clip of Keras' cross-entropy (``backend.epsilon()``).
+KERAS_CLIP = 1e-7
+
+
+def cross_entropy(probs: np.ndarray, labels: np.ndarray, clip: float = KERAS_CLIP) -> float:
+    """Mean categorical cross-entropy of class probabilities, clipped to [clip, 1 - clip] as Keras
+    clips (``clip=0``: unclipped, as a loss from the logits; a probability that underflowed to 0 gives
+    ``inf``): over the samples, or over every position of token sequences (the next-token loss)."""
     labels = np.asarray(labels)
     if labels.size == 0:
         return float("nan")
     picked = np.take_along_axis(np.asarray(probs, np.float64), labels[..., None].astype(np.int64), axis=-1)
-    return float(-np.mean(np.log(np.clip(picked, 1e-7, 1.0 - 1e-7))))
+    with np.errstate(divide="ignore"):
+        return float(-np.mean(np.log(np.clip(picked, clip, 1.0 - clip))))
 
 
 #: GEMM-probe sizes (n, matmuls per trial). On a CPU the best size differs by library and dtype

@@ -30,23 +30,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..backends.base import Backend
+from ..backends.base import Backend, cross_entropy
 
 NOT_SUPPORTED = "loss audit: not supported by this adapter (it hands back no step losses)"
 
-#: The probability clip of Keras' cross-entropy (``backend.epsilon()``); the others do not clip.
-KERAS_CLIP = 1e-7
-
-
 def band(probs: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
-    """(clipped, unclipped) mean cross-entropy of ``probs`` against ``labels``: the loss as Keras
-    computes it (probabilities clipped to [1e-7, 1 - 1e-7]) and as a loss from the logits does
-    (no clip; a probability that underflowed to 0 gives ``inf``). Any correct step's loss lies between."""
-    labels = np.asarray(labels)
-    picked = np.take_along_axis(np.asarray(probs, np.float64), labels[..., None].astype(np.int64), axis=-1)
-    clipped = float(-np.mean(np.log(np.clip(picked, KERAS_CLIP, 1.0 - KERAS_CLIP))))
-    with np.errstate(divide="ignore"):
-        unclipped = float(-np.mean(np.log(np.clip(picked, 0.0, 1.0))))
+    """(low, high) of the mean cross-entropy of ``probs`` against ``labels`` as Keras computes it
+    (probabilities clipped to [1e-7, 1 - 1e-7]) and as a loss from the logits does (no clip; a
+    probability that underflowed to 0 gives ``inf``). Any correct step's loss lies between."""
+    clipped, unclipped = cross_entropy(probs, labels), cross_entropy(probs, labels, clip=0.0)
     return min(clipped, unclipped), max(clipped, unclipped)
 
 
