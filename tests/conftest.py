@@ -57,6 +57,18 @@ REQUIRE_ALL = os.environ.get("BENCHBACKEND_REQUIRE_ALL") == "1"
 MISSING = ("is not installed", "cannot build the")
 
 
+def mnist_with_target(folder: Path, name: str, target: float) -> Path:
+    """mnist's workload file under another ``name`` in ``folder``, with ``checks.target_accuracy``
+    set (time to accuracy, epochs to target)."""
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "workloads" / "mnist.yaml").read_text())
+    spec["name"], spec["checks"]["target_accuracy"] = name, target
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
 def numeric_grad(f, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     """Central differences of ``f`` (no arguments, a float) over every entry of ``w``, which is
     perturbed in place and restored."""

@@ -916,18 +916,16 @@ def test_time_to_accuracy_judges_only_the_cells_that_train(tmp_path: Path) -> No
 
 
 def test_an_inference_only_run_records_no_time_to_accuracy(tmp_path: Path, monkeypatch) -> None:
-    import yaml
     from click.testing import CliRunner
     from support import inprocess
 
     from benchbackend.cli import main
+    from conftest import mnist_with_target
 
-    spec = yaml.safe_load((ROOT / "workloads" / "mnist.yaml").read_text())
-    spec["name"], spec["checks"]["target_accuracy"] = "mnist_tta", 0.5
-    (tmp_path / "mnist_tta.yaml").write_text(yaml.safe_dump(spec))
+    path = mnist_with_target(tmp_path, "mnist_tta", 0.5)
     inprocess.use(monkeypatch)
     out = tmp_path / "i.csv"
-    r = CliRunner().invoke(main, ["run", str(tmp_path / "mnist_tta.yaml"), "-b", "numpy", "--inference-only",
+    r = CliRunner().invoke(main, ["run", str(path), "-b", "numpy", "--inference-only",
                                   "--data", "synthetic", "--limit", "256", "--repeats", "1", "-o", str(out),
                                   "--no-plots"])
     assert r.exit_code == 0, r.output[-2000:]

@@ -9,13 +9,12 @@ import math
 
 import numpy as np
 import pytest
-import yaml
 from support import inprocess
 
 from benchbackend import results
 from benchbackend.analysis import compare, convergence
 from benchbackend.backends import registry as backends
-from conftest import ROOT
+from conftest import mnist_with_target
 
 LRBUG = backends.BackendSpec(
     "lrbug", "support.lr_bug:LrBugBackend", ("numpy",), "numpy", "(test only)",
@@ -42,11 +41,7 @@ def test_the_rank_test_is_exact_one_sided_and_handles_ties_and_misses() -> None:
 @pytest.fixture(scope="module")
 def converged(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("conv")
-    spec = yaml.safe_load((ROOT / "workloads" / "mnist.yaml").read_text())
-    spec["name"] = "mnist_target"
-    spec["checks"]["target_accuracy"] = 0.7
-    path = tmp / "mnist_target.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path = mnist_with_target(tmp, "mnist_target", 0.7)
     out = tmp / "conv.csv"
     r = inprocess.run_with(LRBUG, [str(path), "-b", "numpy", "-b", "lrbug", "--mode", "lrbug:lr4",
                                   "--mode", "lrbug:honest", "--data", "synthetic", "--limit", "512", "--epochs", "4",

@@ -4,11 +4,10 @@ from __future__ import annotations
 import math
 
 import pytest
-import yaml
 
 from benchbackend import results
 from benchbackend.run import checks
-from conftest import ROOT, cli
+from conftest import cli, mnist_with_target
 
 
 @pytest.mark.slow
@@ -52,11 +51,7 @@ def test_time_to_accuracy_is_the_training_time_until_the_target(tmp_path):
     assert checks.time_to_accuracy(rows, 0.5) == pytest.approx(3.5)
     assert checks.time_to_accuracy(rows, 0.3) == pytest.approx(2.0)
     assert checks.time_to_accuracy(rows, 0.95) == math.inf
-    spec = yaml.safe_load((ROOT / "workloads" / "mnist.yaml").read_text())
-    spec["name"] = "mnist_tta"
-    spec["checks"]["target_accuracy"] = 0.5
-    path = tmp_path / "mnist_tta.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path = mnist_with_target(tmp_path, "mnist_tta", 0.5)
     out = tmp_path / "tta.csv"
     r = cli("run", str(path), "-b", "numpy", "--data", "synthetic", "--limit", "1024", "--epochs", "2",
             "--repeats", "1", "-o", str(out), "--no-plots")
