@@ -18,6 +18,7 @@ from conftest import any_cell, backend_params, cli, invoke, one_line_error, requ
 pytest.importorskip("mlperf_loadgen", reason="--scenario needs mlcommons-loadgen (pip install 'benchbackend[loadgen]')")
 
 SLEEPING = "support.sleeping_backend:SleepingBackend"
+FAST = "support.sleeping_backend:FastSleepingBackend"
 
 
 def _run(tmp_path: Path, scenario: str, target: str = SLEEPING, test: int = 256,
@@ -74,10 +75,10 @@ def test_single_stream_median_is_the_service_time_and_the_run_is_labelled(tmp_pa
 
 @pytest.mark.quiet_machine  # a timing against theory: alone, after the parallel suite
 def test_server_p99_agrees_with_md1_queueing(tmp_path: Path) -> None:
-    (single,), _, _ = _run(tmp_path / "s", "single-stream", min_duration_s=0.5, min_query_count=64)
+    (single,), _, _ = _run(tmp_path / "s", "single-stream", target=FAST, min_duration_s=0.5, min_query_count=64)
     service = single["latency_mean_ms"] / 1e3  # the sleep plus LoadGen's and the serving thread's hand-offs
     rate = 0.5 / service
-    (row,), rows, w = _run(tmp_path / "q", "server", server_target_qps=rate, min_duration_s=1.0,
+    (row,), rows, w = _run(tmp_path / "q", "server", target=FAST, server_target_qps=rate, min_duration_s=1.0,
                            min_query_count=2000, server_latency_ms=1000.0)
     expected = md1_sojourn_quantile(rate, service, 0.99) * 1e3
     assert row["target_qps"] == pytest.approx(rate) and row["query_count"] >= 2000
@@ -225,10 +226,11 @@ def _analytic_rate(service: float, bound: float, q: float = 0.99) -> float:
 @pytest.mark.slow
 @pytest.mark.quiet_machine
 def test_the_peak_search_finds_the_analytic_rate_for_a_bound(tmp_path: Path) -> None:
-    (single,), _, _ = _run(tmp_path / "s", "single-stream", min_duration_s=0.5, min_query_count=64)
+    (single,), _, _ = _run(tmp_path / "s", "single-stream", target=FAST, min_duration_s=0.5, min_query_count=64)
     service = single["latency_mean_ms"] / 1e3
-    bound_ms = 5 * SERVICE_S * 1e3
-    probes, rows, w = _run(tmp_path / "p", "server", slo_ms=bound_ms, min_duration_s=1.0, min_query_count=2000)
+    bound_ms = 5 * sleeping_backend.FastSleepingBackend.service_s * 1e3
+    probes, rows, w = _run(tmp_path / "p", "server", target=FAST, slo_ms=bound_ms, min_duration_s=1.0,
+                           min_query_count=2000)
     assert [r["probe"] for r in probes] == list(range(1, len(probes) + 1)) and len(probes) >= 4
     assert all(r["latency_bound_ms"] == bound_ms for r in probes)
     good = [r["target_qps"] for r in probes if r["loadgen_valid"] == "valid"]
