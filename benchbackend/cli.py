@@ -131,6 +131,10 @@ def main() -> None:
               help="Training steps per dispatch for modes that batch them (jax:scan).")
 @click.option("--tune-trials", type=click.IntRange(1), default=64, show_default=True,
               help="Schedule-search budget for tuning modes (tvm:tuned).")
+@click.option("--compile-cache", type=click.Choice(["warm", "cold"]), default="warm", show_default=True,
+              help="warm: torch.compile, JAX and tvm:tuned keep compiled programs between runs (a second run reuses "
+                   "them); cold: each cell compiles from an empty cache (compile_s and first_result_s as on a new "
+                   "machine).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per worker before it is killed.")
 @click.option("--preload/--no-preload", default=True, show_default=True,
               help="CPU cells (here or on a Ray node): fork each repeat's fresh worker from a process that imported "
@@ -174,7 +178,8 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
         inference_only: bool, generate: bool, prompt_tokens: tuple[int, ...], new_tokens: Optional[int],
         scenarios: tuple[str, ...], min_duration: Optional[float], min_queries: Optional[int],
         target_qps: Optional[float], latency_bound_ms: Optional[float], multistream_samples: Optional[int],
-        slo_ms: Optional[float], steps_per_execution: int, tune_trials: int, timeout: Optional[float], preload: bool,
+        slo_ms: Optional[float], steps_per_execution: int, tune_trials: int, compile_cache: str,
+        timeout: Optional[float], preload: bool,
         executor_name: str, address: Optional[str], cells_per_node: Optional[int], allow_mixed_hosts: bool,
         wait_for_nodes: float, retries: int, parity_steps: int, order: str, output: Optional[Path], force: bool,
         resume_from: Optional[Path], plots: bool, quiet: bool) -> None:
@@ -266,7 +271,7 @@ def run(workloads: tuple[str, ...], backends_: tuple[str, ...], modes: tuple[str
     except OSError as exc:
         raise UsageFailure(f"{out}: cannot write results: {exc.strerror}") from None
     options = planning.Options(steps_per_execution=steps_per_execution, tune_trials=tune_trials,
-                             peak_tflops=peak_tflops, scale_lr=scale_lr, scaling=scaling)
+                             peak_tflops=peak_tflops, scale_lr=scale_lr, scaling=scaling, compile_cache=compile_cache)
     plan = planning.RunPlan(workloads=loaded, choices=choices, device=device, repeats=repeats,
                             data_source=data_source, data_dir=data_dir, parity_steps=parity_steps,
                             inference_only=inference_only, options=options, order=order, generate=generate)

@@ -213,6 +213,13 @@ DECLARED: tuple[Column, ...] = (
     _c("audit_step", N, "a `train_epoch` row's first step whose reported loss differs from its recomputation, 0 "
                         "when the epoch's loss is not the mean of its step losses (`audit_failed`); empty when all "
                         "agree", version=13),
+    _c("compile_cache", T, "`--compile-cache` (`warm` or `cold`) where the cell's framework keeps compiled programs "
+                           "between runs (torch.compile's inductor cache, JAX's compilation cache, tvm:tuned's "
+                           "tuning database); empty where it keeps none. compare groups `cold` cells apart (mode "
+                           "`compile cold`)", version=14),
+    _c("compile_cache_hit", F, "that cache held compiled programs of this very cell (its workload, mode and "
+                               "precision) as it started: a warm `compile_s`; False for the first run and every "
+                               "cold one", version=14),
 )
 
 #: The page that holds the column reference, from the checkout's root (``benchbackend schema --update``).

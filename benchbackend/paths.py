@@ -46,6 +46,14 @@ def envs_root() -> Path:
     return Path(data).expanduser() / "benchbackend" / "envs"
 
 
+def compile_cache_dir() -> Path:
+    """Where frameworks keep compiled programs between runs (torch inductor's cache, JAX's compilation
+    cache, TVM's tuning databases): $BENCHBACKEND_COMPILE_CACHE, which the worker points at an empty
+    folder for a ``--compile-cache cold`` cell, else ``cache_dir() / "compile"``."""
+    env = os.environ.get("BENCHBACKEND_COMPILE_CACHE")
+    return Path(env).expanduser() if env else cache_dir() / "compile"
+
+
 def cache_dir() -> Path:
     """Per-user cache (tuning databases, peak-FLOPs probes): $BENCHBACKEND_CACHE or ~/.cache/benchbackend."""
     env = os.environ.get("BENCHBACKEND_CACHE")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 from .columns import DECLARED
 from .errors import ResultsError
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 #: A training sample costs this many forward passes of FLOPs: the forward, the gradient of the
 #: activations and the gradient of the weights. ``achieved_flops`` and ``mfu`` count training so.
 TRAIN_FLOPS_FACTOR = 3

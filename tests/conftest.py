@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 #: ~/.cache/benchbackend: a peak probed under the suite's load reads low, and the user's next run
 #: would show its first repeat's MFU against it. Tests that need an empty cache still set their own.
 os.environ["BENCHBACKEND_CACHE"] = str(ROOT / ".pytest_cache" / "d" / "benchbackend-cache")
+#: Compiled programs (torch.compile's inductor cache, JAX's compilation cache: ``--compile-cache
+#: warm``) outlive the clone, as torch's own default folder (/tmp/torchinductor_root) did before
+#: benchbackend named one: a program compiled in one run of the suite is read back in the next,
+#: the same executable, so no check sees a difference; only compiling is skipped. Tests of tuning
+#: or of the cache itself set their own empty folder.
+os.environ.setdefault("BENCHBACKEND_COMPILE_CACHE", str(Path(tempfile.gettempdir()) / "benchbackend-tests-compile"))
 
 #: Under pytest-xdist, each test process gets one core of its own: the frameworks its cells start
 #: (and the ones it imports) run one thread unless a test asks for more (``--threads``, which sets

@@ -30,7 +30,9 @@ def _run(monkeypatch, tmp_path: Path, *args: str) -> Path:
 def test_a_run_writes_the_definition_and_one_meaning_per_column(monkeypatch, tmp_path):
     path = _run(monkeypatch, tmp_path, "--epochs", "2", "--parity-steps", "2", "--batch-size", "50")
     raw = pd.read_csv(path, dtype=str, keep_default_na=False)  # as a user reads it, no benchbackend
-    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 13
+    assert set(raw["schema_version"]) == {str(results.SCHEMA_VERSION)} and results.SCHEMA_VERSION == 14
+    # Schema 14: the reference keeps no compiled programs (--compile-cache: nothing to say).
+    assert set(raw["compile_cache"]) == {""} and set(raw["compile_cache_hit"]) == {""}
     # Schema 13: each epoch's losses audited (run/loss_audit.py): epoch 1's first step and the 2
     # trajectory steps (step 1 is both), epoch 2's first step; no step that differs.
     epochs = raw[raw["phase"] == "train_epoch"]

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from benchbackend import paths
 from benchbackend.backends import registry as backends
 from benchbackend.run import checks
 from benchbackend.run.launch import Job
@@ -95,6 +96,15 @@ def test_torch_compile_passes_checks_and_trains_like_eager(arrays: Path) -> None
     msgs = cell(arrays, "torch", "compile", "fp32")  # the one compile cell: compiling is slow
     assert_cell_ok(msgs, "fp32")
     assert epoch_loss(msgs) == pytest.approx(epoch_loss(cell(arrays, "torch", "eager", "fp32")), rel=1e-4)
+
+
+@requires_torch
+def test_torch_compile_keeps_inductors_cache_in_the_cells_own_folder_and_eager_keeps_none(arrays: Path) -> None:
+    info = next(m for m in cell(arrays, "torch", "compile", "fp32") if m["type"] == "info")
+    folder = paths.compile_cache_dir() / "torchinductor" / f"{WORKLOAD.hash()}-compile-fp32"
+    assert info["compile_cache"] == "warm" and any(p.is_file() for p in folder.rglob("*")), info
+    eager = next(m for m in cell(arrays, "torch", "eager", "fp32") if m["type"] == "info")
+    assert eager["compile_cache"] == "" and eager["compile_cache_hit"] is None
 
 
 @requires_torch

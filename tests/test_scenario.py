@@ -255,7 +255,7 @@ def test_a_run_keeps_loadgen_logs_beside_the_csv_and_compare_gives_verdicts(tmp_
     rows = pd.read_csv(out)
     sc = rows[rows["phase"] == "scenario"]
     assert len(sc) == 4 and set(sc["scenario"]) == {"single-stream"} and sc["below_mlperf_minimum"].all()
-    assert set(rows["schema_version"]) == {13}
+    assert set(rows["schema_version"]) == {14}
     for log in sc["loadgen_log"]:
         assert log.startswith("r-loadgen/") and (tmp_path / log / "mlperf_log_summary.txt").exists()
     for log in sc["accuracy_log"]:

@@ -61,7 +61,8 @@ def _assert_parity(rows: list[dict[str, Any]], name: str) -> None:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("tvm-cache")
-    with mock.patch.dict(os.environ, {"BENCHBACKEND_CACHE": str(root)}):
+    fresh = {"BENCHBACKEND_CACHE": str(root), "BENCHBACKEND_COMPILE_CACHE": str(root)}  # a search
+    with mock.patch.dict(os.environ, fresh):
         yield root
 
 
@@ -279,7 +280,8 @@ def mnist_tuned(tmp_path: Path) -> Iterator[Any]:
     from benchbackend.spec.model import initial_weights
 
     w = W.load("mnist").with_overrides(limit=256)
-    with mock.patch.dict(os.environ, {"BENCHBACKEND_CACHE": str(tmp_path)}):
+    fresh = dict.fromkeys(("BENCHBACKEND_CACHE", "BENCHBACKEND_COMPILE_CACHE"), str(tmp_path))
+    with mock.patch.dict(os.environ, fresh):
         backend = TVMBackend(w, "cpu", "tuned", options={"tune_trials": 8, "threads": 1})
         backend.build(initial_weights(w))
         yield backend

@@ -91,6 +91,7 @@ def test_a_graph_with_a_framework_default_misses_the_reference(monkeypatch: pyte
 def test_tvm_tuned_mode_tunes_the_trap_and_keeps_parity(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """MetaSchedule on the Relax module that TVM's ONNX frontend makes of the graph (two trials)."""
     monkeypatch.setenv("BENCHBACKEND_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("BENCHBACKEND_COMPILE_CACHE", str(tmp_path / "cache"))  # a search, not a reuse
     rows, outcome, _ = spawn_cell(tmp_path, trap(), "tvm", mode="tuned", repeat=0, options=Options(tune_trials=2))
     assert outcome.status == "done", outcome
     assert "searched" in next(r for r in rows if r["phase"] == "tune")["notes"]

@@ -111,6 +111,8 @@ def for_comparison(df: pd.DataFrame) -> pd.DataFrame:
         out["mode"] = mode.where(mode != "", out["backend"].map(defaults).fillna(""))
     asked = out["requested_device"].astype(str)
     out["device"] = asked.where(asked != "", out["device"])
+    if "compile_cache" in out.columns:  # --compile-cache cold is its own group: ``compile cold`` beside ``compile``
+        out["mode"] = out["mode"].where(out["compile_cache"].astype(str) != "cold", out["mode"] + " cold")
     if "replicas" in out.columns:  # N replicas are their own group: ``eager x2`` beside ``eager``
         many = pd.to_numeric(out["replicas"], errors="coerce").fillna(1).astype(int)
         scaling = out["scaling"] if "scaling" in out.columns else pd.Series("strong", index=out.index)

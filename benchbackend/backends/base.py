@@ -66,6 +66,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
@@ -98,6 +99,9 @@ class Options:
     rank: int = 0
     rendezvous: str = ""
     loadgen_dir: str = ""  # --scenario: LoadGen's logs beside the CSV ("": a temporary folder)
+    #: ``--compile-cache``: ``warm`` keeps compiled programs in ``paths.compile_cache_dir()`` across
+    #: runs; ``cold`` gives the cell an empty one (``Backend.compile_cache``).
+    compile_cache: str = "warm"
 
 
 def as_options(options: "Options | Mapping[str, Any] | None") -> Options:
@@ -143,6 +147,20 @@ class Backend(ABC):
     def math_mode(self) -> str:
         """The math mode of this cell's float32 matmuls and convolutions (:attr:`math`)."""
         return self.math
+
+    def compile_cache(self) -> Optional[Path]:
+        """Point the framework's persistent cache of compiled programs at this cell's folder under
+        ``paths.compile_cache_dir()`` and return that folder; None (the default) where the mode
+        compiles nothing a later run could reuse. The worker calls it before ``build``: the folder
+        empty then is a ``cold`` cell, else ``warm`` (the ``compile_cache`` column)."""
+        return None
+
+    def cache_folder(self, framework: str) -> Path:
+        """``framework``'s folder for this cell's compiled programs: one per workload definition, mode
+        and precision, so that ``warm`` means this very cell compiled before."""
+        from ..paths import compile_cache_dir
+
+        return compile_cache_dir() / framework / f"{self.workload.hash()}-{self.mode}-{self.precision}"
 
     def details(self) -> dict[str, Any]:
         """Extra facts for the ``notes`` of the build row (a compile target, the precision

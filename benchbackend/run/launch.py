@@ -250,6 +250,8 @@ def _parse(cell: "Cell", line: str, state: _State) -> Optional[Message]:
                     gpu=str(msg.get("gpu", "")), python=str(msg.get("python", "")), threads=msg.get("threads"),
                     math_mode=str(msg.get("math_mode", "")),
                     data_on_device=None if msg.get("data_on_device") is None else bool(msg["data_on_device"]),
+                    compile_cache=str(msg.get("compile_cache") or ""),
+                    compile_cache_hit=None if msg.get("compile_cache_hit") is None else bool(msg["compile_cache_hit"]),
                     machine={k: v for k, v in (msg.get("machine") or {}).items() if k in machine.CELL_COLUMNS},
                     environment={k: str(msg[k]) for k in ("host", "os", "cpu") if msg.get(k)})
     if kind == "peak":

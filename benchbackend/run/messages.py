@@ -52,12 +52,17 @@ class Info:
     #: The machine as the cell started (``machine.cell_readings``): load average, CPU clock, the GPU's
     #: other processes and clock; each None where not measured.
     machine: Mapping[str, Optional[float]] = field(default_factory=dict)
+    #: ``--compile-cache`` where the cell's framework keeps compiled programs ("" where it keeps none),
+    #: and whether its folder held some as the cell started (None: no such cache).
+    compile_cache: str = ""
+    compile_cache_hit: Optional[bool] = None
 
     def columns(self) -> dict[str, Any]:
         """The CSV columns this fills on every later row of the cell."""
         return {"backend_version": self.backend_version, "device": self.device, "gpu": self.gpu,
                 "python": self.python, "threads": self.threads, "math_mode": self.math_mode,
-                "data_on_device": self.data_on_device, **self.machine, **self.environment}
+                "data_on_device": self.data_on_device, "compile_cache": self.compile_cache,
+                "compile_cache_hit": self.compile_cache_hit, **self.machine, **self.environment}
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 import traceback
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -199,9 +202,32 @@ def run_job(job: Job, emit: Emit, started: Optional[float] = None) -> None:
         backend.close()
         return
     try:
-        _run(job, backend, workload, emit, started)
+        with _compile_cache(o.compile_cache):
+            _run(job, backend, workload, emit, started)
     finally:
         backend.close()  # the replica processes of a data-parallel cell, say
+
+
+@contextmanager
+def _compile_cache(setting: str) -> Iterator[None]:
+    """``--compile-cache cold``: the cell's compiled programs go to an empty folder, removed after it
+    (``paths.compile_cache_dir``); the variables the cell set are put back either way (a test runs
+    many cells in one process)."""
+    names = ("BENCHBACKEND_COMPILE_CACHE", "TORCHINDUCTOR_CACHE_DIR")
+    before = {name: os.environ.get(name) for name in names}
+    folder = tempfile.mkdtemp(prefix="benchbackend-cold-") if setting == "cold" else None
+    if folder:
+        os.environ["BENCHBACKEND_COMPILE_CACHE"] = folder
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run(job: Job, backend: Any, workload: Any, emit: Emit, started: float) -> None:
@@ -218,10 +244,13 @@ def _run(job: Job, backend: Any, workload: Any, emit: Emit, started: float) -> N
                   started=started)
     base: dict[str, Any] = {"type": "row"}
     on_device = bool(backend.place_data(cell.placed_bytes(job.trains)))
+    kept = backend.compile_cache()  # before anything compiles; holding programs already: a warm cell
     emit({"type": "info", **environment(), "backend_version": backend.version(), "device": device,
           "mode": backend.mode, "precision": backend.precision, "gpu": backend.gpu_name(),
           "python": platform.python_version(), "threads": threads, "math_mode": backend.math_mode(),
-          "data_on_device": on_device, "machine": machine.cell_readings(device)})
+          "data_on_device": on_device, "machine": machine.cell_readings(device),
+          "compile_cache": "" if kept is None else job.options.compile_cache,
+          "compile_cache_hit": None if kept is None else bool(kept.is_dir() and any(kept.iterdir()))})
 
     def build_and_place() -> int:
         params = backend.build(weights)

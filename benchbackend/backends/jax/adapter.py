@@ -42,6 +42,7 @@ from ...spec.model import kernel_mask, trainable_mask
 from ...spec.workload import Workload
 from ..base import Backend, gemm_rate, gpu_index
 from ..precision import capability_of, check_tf32, math_mode
+from .cache import KeepsCompiled
 from .generation import Generates
 from .graph import Params, make_forward
 from .optimizers import _init_state, _update  # noqa: F401 (sharding.py imports _update from here)
@@ -97,7 +98,7 @@ def set_math(device: Any, precision: str, backend: str) -> str:
     return math_mode(precision)
 
 
-class JaxBackend(Generates, Backend):
+class JaxBackend(KeepsCompiled, Generates, Backend):
     name = "jax"
 
     def __init__(self, workload: Workload, device: str, mode: str = "jit", precision: str = "fp32",

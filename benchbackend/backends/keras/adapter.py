@@ -35,6 +35,7 @@ import numpy as np
 from ...errors import BackendUnavailable
 from ...spec.workload import Workload
 from ..base import Backend
+from ..jax.cache import KeepsCompiled
 from .generation import KerasGeneration
 from .layers import KerasNet, keras3_build, keras3_optimizer
 
@@ -183,7 +184,7 @@ class KerasBackend(KerasGeneration, Backend):
         return keras.ops.convert_to_numpy(twin.model(x, training=True))
 
 
-class KerasJaxBackend(KerasBackend):
+class KerasJaxBackend(KeepsCompiled, KerasBackend):
     name = "keras-jax"
     framework = "jax"
 

@@ -9,11 +9,15 @@ combine with ``+`` (``compile+channels_last``) for benchmarks. Precisions:
 ``fp32`` (strict: TF32 off, see ``precision.py``); ``tf32`` (CUDA, Ampere or newer); ``bf16``
 (``torch.autocast``, fp32 master weights and optimizer state); ``fp16`` (autocast with a
 ``GradScaler``, CUDA only).
+
+Over 400 lines: one class, each method converting one of torch's conventions to the contract's.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -134,6 +138,12 @@ class TorchBackend(Backend):
 
     def threads(self) -> int:
         return torch.get_num_threads()
+
+    def compile_cache(self) -> Optional[Path]:
+        """torch.compile's cache (inductor's FX graphs, AOTAutograd's): the eager modes compile nothing."""
+        if self.compiled:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_folder("torchinductor"))
+        return self.cache_folder("torchinductor") if self.compiled else None
 
     def details(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cudnn_autotune": "on"} if self.device.type == "cuda" else {}

@@ -34,7 +34,7 @@ import tvm
 from tvm import relax
 
 from ...errors import BackendUnavailable
-from ...paths import cache_dir
+from ...paths import compile_cache_dir
 from ...spec.graph import INPUT as GRAPH_INPUT
 from ...spec.graph import Node, resolve
 from ...spec.layers import ActivationLayer, Add, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool, MaxPool2D
@@ -269,7 +269,11 @@ class TVMBackend(Backend):
         w = self.workload
         kernels = json.dumps([w.model_dump(mode="json")["model"], list(w.input_shape), w.inference.batch_size])
         digest = hashlib.sha256((kernels + str(self.target)).encode()).hexdigest()[:12]
-        return cache_dir() / "tvm" / f"{w.name}-{digest}-t{trials}"
+        return compile_cache_dir() / "tvm" / f"{w.name}-{digest}-t{trials}"
+
+    def compile_cache(self) -> Optional[Path]:
+        """``tuned``: the tuning database (the search is what a warm run skips)."""
+        return self.database_dir(int(self.options.tune_trials or DEFAULT_TUNE_TRIALS)) if self.mode == "tuned" else None
 
     # --- inference --------------------------------------------------------------------------
     def to_device(self, x: np.ndarray) -> Batches:
