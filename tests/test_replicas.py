@@ -302,6 +302,27 @@ def test_comm_seconds_is_the_gradient_allreduce_time_since_the_last_call():
         trap.close()
 
 
+@requires_torch
+@pytest.mark.slow
+def test_ddp_on_a_cpu_reduces_every_gradient_in_one_bucket():
+    # docs/clusters.md "Data parallel on a CPU": gloo reduces on the replica's own core, so a bucket
+    # reduced during the backward pass takes that core from it; one bucket measured faster. DDP's
+    # default splits a 1 MiB first bucket off when it rebuilds its buckets after the first step.
+    from benchbackend.spec.model import initial_weights
+
+    w = _workload()
+    rng = np.random.default_rng(0)
+    x, y = rng.random((SAMPLES, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, SAMPLES)
+    ddp = TorchDDPBackend(w, "cpu", options={"replicas": 2, "threads": 1})
+    try:
+        ddp.build(initial_weights(w, 1))
+        ddp.set_data(x, y)  # joins the group and wraps the model
+        caps = ddp.ddp._bucket_config  # DDP's record of the bucket sizes it was built with
+        assert caps.first_bucket_bytes_cap == caps.bucket_bytes_cap == 25 * 2 ** 20
+    finally:
+        ddp.close()
+
+
 def test_compare_keeps_n_replicas_apart_from_one():
     import pandas as pd
 
