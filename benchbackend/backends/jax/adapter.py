@@ -28,7 +28,6 @@ the label, and ``scores`` returns (n, T, vocab) probabilities.
 """
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
@@ -46,6 +45,7 @@ from ..precision import capability_of, check_tf32, math_mode
 from .generation import Generates
 from .graph import Params, make_forward
 from .optimizers import _init_state, _update  # noqa: F401 (sharding.py imports _update from here)
+from .threads import pool_threads, size_pool
 
 _INSTALL = {"gpu": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]' (on a Cloud TPU VM)"}
 DEFAULT_STEPS_PER_EXECUTION = 32
@@ -98,25 +98,13 @@ def set_math(device: Any, precision: str, backend: str) -> str:
     return math_mode(precision)
 
 
-def cpu_pool_threads() -> int:
-    """Threads of XLA's CPU client pool, as it sizes it when the backend starts: ``PJRT_NPROC``,
-    else the schedulable cores."""
-    nproc = os.environ.get("PJRT_NPROC", "")
-    return int(nproc) if nproc.isdigit() else len(os.sched_getaffinity(0))
-
-
 class JaxBackend(Generates, Backend):
     name = "jax"
 
     def __init__(self, workload: Workload, device: str, mode: str = "jit", precision: str = "fp32",
                  options: Optional[dict[str, Any]] = None):
         super().__init__(workload, device, mode, precision, options)
-        if self.options.threads:
-            # XLA's CPU client sizes its one thread pool from PJRT_NPROC when the backend starts
-            # (below, in jax_device); the OpenMP/MKL variables --threads also sets, it ignores: a
-            # `--threads 1` cell ran on every core (benchmarks/knobs.py, jax.threads). The runner's
-            # threads are per replica; the replicas of jax's engine share the one pool.
-            os.environ["PJRT_NPROC"] = str(self.options.threads * self.options.replicas)
+        size_pool(self.options.threads, self.options.replicas)  # before jax_device starts the backend
         self.device = jax_device(device, self.name)
         if mode not in ("jit", "scan"):
             raise BackendUnavailable(f"jax: unknown mode '{mode}'; use jit or scan")
@@ -150,9 +138,8 @@ class JaxBackend(Generates, Backend):
     def gpu_name(self) -> str:
         return "" if self.device.platform == "cpu" else str(self.device.device_kind)
 
-    def threads(self) -> int:
-        """Threads per replica: XLA's CPU pool (every replica's, shared) over the replicas."""
-        return max(1, cpu_pool_threads() // self.options.replicas)
+    def threads(self) -> int:  # per replica: the one pool, shared, over the replicas
+        return max(1, pool_threads() // self.options.replicas)
 
     def details(self) -> dict[str, Any]:
         out = {"platform": self.device.platform}
