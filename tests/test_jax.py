@@ -2,6 +2,7 @@
 trains exactly as `jit`, a missing TPU is `unavailable`, and results stay lazy until the worker syncs."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,19 @@ def test_scan_scores_match_jit_scores():
         out[mode] = b.to_host(b.scores(b.to_device(x), 16))
     assert out["scan"].shape == (250, w.num_classes)
     np.testing.assert_allclose(out["scan"], out["jit"], rtol=1e-5, atol=1e-7)
+
+
+def test_threads_size_xlas_cpu_pool(monkeypatch):
+    """``--threads`` reaches XLA: its CPU client sizes its one pool from ``PJRT_NPROC`` when the
+    backend starts (the OpenMP/MKL variables --threads also sets, it ignores: a 1-thread cell ran on
+    every core), and ``threads()`` (the threads column) reads the pool back, per replica."""
+    from benchbackend.backends.jax.adapter import JaxBackend
+
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    assert JaxBackend(small(), "cpu", options=Options(threads=1)).threads() == 1
+    assert os.environ["PJRT_NPROC"] == "1"
+    assert JaxBackend(small(), "cpu", options=Options(threads=1, replicas=2)).threads() == 1
+    assert os.environ["PJRT_NPROC"] == "2"  # the replicas share the one pool
 
 
 def test_a_tpu_that_jax_does_not_see_is_an_unavailable_row(tmp_path):

@@ -46,6 +46,7 @@ from .cache import KeepsCompiled
 from .generation import Generates
 from .graph import Params, make_forward
 from .optimizers import _init_state, _update  # noqa: F401 (sharding.py imports _update from here)
+from .threads import pool_threads, size_pool
 
 _INSTALL = {"gpu": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]' (on a Cloud TPU VM)"}
 DEFAULT_STEPS_PER_EXECUTION = 32
@@ -104,6 +105,7 @@ class JaxBackend(KeepsCompiled, Generates, Backend):
     def __init__(self, workload: Workload, device: str, mode: str = "jit", precision: str = "fp32",
                  options: Optional[dict[str, Any]] = None):
         super().__init__(workload, device, mode, precision, options)
+        size_pool(self.options.threads, self.options.replicas)  # before jax_device starts the backend
         self.device = jax_device(device, self.name)
         if mode not in ("jit", "scan"):
             raise BackendUnavailable(f"jax: unknown mode '{mode}'; use jit or scan")
@@ -136,6 +138,9 @@ class JaxBackend(KeepsCompiled, Generates, Backend):
 
     def gpu_name(self) -> str:
         return "" if self.device.platform == "cpu" else str(self.device.device_kind)
+
+    def threads(self) -> int:  # per replica: the one pool, shared, over the replicas
+        return max(1, pool_threads() // self.options.replicas)
 
     def details(self) -> dict[str, Any]:
         out = {"platform": self.device.platform}

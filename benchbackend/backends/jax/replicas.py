@@ -31,7 +31,8 @@ Threads: XLA's CPU client has one intra-op (Eigen) thread pool, sized when the b
 (``PJRT_NPROC``, else the schedulable cores, at least the device count), shared by its N devices;
 the N replicas' programs run concurrently (the all-reduce needs every one in flight) and draw on
 that one pool. JAX has no per-device thread count, so ``threads`` (already split per replica by
-the runner) is not applied; ``details`` says what the pool is. For the same reason the GEMM probe
+the runner) times N sizes the one pool (``PJRT_NPROC``, set by ``JaxBackend``); ``details`` says
+what the pool is. For the same reason the GEMM probe
 (``gemm_peak``) runs on all N devices at once and reports one replica's share, which the worker
 multiplies by N, as it does for engines whose replicas each own their threads.
 
