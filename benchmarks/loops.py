@@ -250,9 +250,8 @@ def _child(pair: str, workload_name: str, limit: int, epochs: int, warmup: int) 
 
 def _table(results: dict[tuple[str, str], list[dict]]) -> None:
     """The side-by-side table (Markdown): per pair and workload, the medians over its processes."""
-    rounds = max((len(runs) for runs in results.values()), default=0)
-    print(f"| pair | workload | samples | adapter | own loop | adapter s/epoch | own s/epoch | adapter / own "
-          f"| ratios of {rounds} processes |")
+    print("| pair | workload | samples | adapter | own loop | adapter s/epoch | own s/epoch | adapter / own "
+          "| each process's ratio |")
     print("| --- | --- | --: | --- | --- | --: | --: | --: | --- |")
     for (pair, wl), runs in results.items():
         if not runs:
