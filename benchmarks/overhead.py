@@ -46,9 +46,17 @@ def _plain_torch(w, weights, x, y, orders):
     ref = TorchBackend(w, "cpu")
     ref.build(weights)
     net = copy.deepcopy(ref.net)
-    opt = ref.opt.__class__(net.parameters(), **{k: v for k, v in ref.opt.defaults.items()
-                                                 if k in ("lr", "momentum", "nesterov", "betas", "eps", "alpha")})
+    kw = {k: v for k, v in ref.opt.defaults.items() if k in ("lr", "momentum", "nesterov", "betas", "eps", "alpha")}
     kernels, l2 = net.kernels(), ref.l2
+    if ref.decoupled:  # what a torch user writes for a decoupled decay on the kernels: AdamW, two groups
+        # The attention's kernels are views of its nn.Linear weights: the optimizer takes those.
+        leaves = list({id(b): b for b in (k if k._base is None else k._base for k in kernels)}.values())
+        ids = {id(k) for k in leaves}
+        opt = torch.optim.AdamW([{"params": leaves, "weight_decay": w.training.weight_decay.rate},
+                                 {"params": [p for p in net.parameters() if id(p) not in ids], "weight_decay": 0.0}],
+                                **kw)
+    else:
+        opt = ref.opt.__class__(net.parameters(), **kw)
     xt = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
     yt = torch.from_numpy(y)
     bs = w.training.batch_size

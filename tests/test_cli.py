@@ -133,7 +133,7 @@ def test_interpreter_is_configurable_per_backend(tmp_path, monkeypatch):
 
 def test_the_all_extra_installs_every_backend_extra_and_ray():
     """CI installs `.[all,test]`: a backend whose extra is missing from `all` would go untested (and
-    `--scenario`'s LoadGen, `loadgen`)."""
+    `--scenario`'s LoadGen, `loadgen`; benchmarks/loops.py's optax, `bench`)."""
     import re
 
     import tomllib
@@ -141,7 +141,7 @@ def test_the_all_extra_installs_every_backend_extra_and_ray():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     (req,) = extras["all"]
     named = set(re.fullmatch(r"benchbackend\[(.*)\]", req).group(1).split(","))
-    wanted = {s.extra for s in backends.BACKENDS.values() if s.extra} | {"ray", "text", "loadgen"}
+    wanted = {s.extra for s in backends.BACKENDS.values() if s.extra} | {"ray", "text", "loadgen", "bench"}
     assert named == wanted and wanted <= set(extras)
 
 
