@@ -75,17 +75,18 @@ def test_single_stream_median_is_the_service_time_and_the_run_is_labelled(tmp_pa
 
 @pytest.mark.quiet_machine  # a timing against theory: alone, after the parallel suite
 def test_server_p99_agrees_with_md1_queueing(tmp_path: Path) -> None:
-    # At 4 ms, not FAST's 2: at rho = 0.5 the median sits on M/D/1's step (half the queries wait 0),
-    # and at 2 ms the hand-offs' jitter moved it 17% in CI (2.39 against 2.05 ms).
-    (single,), _, _ = _run(tmp_path / "s", "single-stream", min_duration_s=0.5, min_query_count=64)
+    (single,), _, _ = _run(tmp_path / "s", "single-stream", target=FAST, min_duration_s=0.5, min_query_count=64)
     service = single["latency_mean_ms"] / 1e3  # the sleep plus LoadGen's and the serving thread's hand-offs
     rate = 0.5 / service
-    (row,), rows, w = _run(tmp_path / "q", "server", server_target_qps=rate, min_duration_s=1.0,
+    (row,), rows, w = _run(tmp_path / "q", "server", target=FAST, server_target_qps=rate, min_duration_s=1.0,
                            min_query_count=2000, server_latency_ms=1000.0)
     expected = md1_sojourn_quantile(rate, service, 0.99) * 1e3
     assert row["target_qps"] == pytest.approx(rate) and row["query_count"] >= 2000
     assert row["latency_p99_ms"] == pytest.approx(expected, rel=0.10), (row["latency_p99_ms"], expected, service)
-    assert row["latency_p50_ms"] == pytest.approx(service * 1e3, rel=0.10)  # half the queries find it idle
+    # Not the median: at rho = 0.5 it sits on M/D/1's step (half the queries wait 0), where any jitter
+    # in the service moves it (11% over in a quiet run on 2026-11-27, when the p99 still agreed).
+    p90 = md1_sojourn_quantile(rate, service, 0.90) * 1e3
+    assert row["latency_p90_ms"] == pytest.approx(p90, rel=0.10), (row["latency_p90_ms"], p90, service)
 
 
 def test_multi_stream_and_offline_report_their_figures(tmp_path: Path) -> None:
