@@ -268,20 +268,26 @@ def test_each_planted_trap_is_caught_by_replica_parity(tmp_path, trap):
     assert step == expected.get(trap, step) and step is not None, (trap, message)
 
 
+def _two_replicas(cls: type) -> tuple:
+    """``cls`` (a DDP adapter) for two replicas on one thread each, built from the shared weights,
+    and the arrays whose ``set_data`` joins the group and wraps the model."""
+    from benchbackend.spec.model import initial_weights
+
+    w = _workload()
+    rng = np.random.default_rng(0)
+    ddp = cls(w, "cpu", options={"replicas": 2, "threads": 1})
+    ddp.build(initial_weights(w, 1))
+    return ddp, rng.random((SAMPLES, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, SAMPLES)
+
+
 @requires_torch
 @pytest.mark.slow
 def test_comm_seconds_is_the_gradient_allreduce_time_since_the_last_call():
     import math
     import time
 
-    from benchbackend.spec.model import initial_weights
-
-    w = _workload()
-    rng = np.random.default_rng(0)
-    x, y = rng.random((SAMPLES, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, SAMPLES)
-    ddp = TorchDDPBackend(w, "cpu", options={"replicas": 2, "threads": 1})
+    ddp, x, y = _two_replicas(TorchDDPBackend)
     try:
-        ddp.build(initial_weights(w, 1))
         assert ddp.comm_seconds() is None  # no replicas yet: nothing is timed
         ddp.set_data(x, y)
         assert ddp.comm_seconds() == 0.0  # joined, wrapped: no gradient has been reduced yet
@@ -293,9 +299,8 @@ def test_comm_seconds_is_the_gradient_allreduce_time_since_the_last_call():
         assert ddp.comm_seconds() == 0.0  # since the last call
     finally:
         ddp.close()
-    trap = SummedGradients(w, "cpu", options={"replicas": 2, "threads": 1})
+    trap, x, y = _two_replicas(SummedGradients)
     try:  # a hook of the adapter's own stays (DDP takes one): nothing is timed
-        trap.build(initial_weights(w, 1))
         trap.set_data(x, y)
         assert trap.comm_seconds() is None
     finally:
@@ -308,14 +313,8 @@ def test_ddp_on_a_cpu_reduces_every_gradient_in_one_bucket():
     # docs/clusters.md "Data parallel on a CPU": gloo reduces on the replica's own core, so a bucket
     # reduced during the backward pass takes that core from it; one bucket measured faster. DDP's
     # default splits a 1 MiB first bucket off when it rebuilds its buckets after the first step.
-    from benchbackend.spec.model import initial_weights
-
-    w = _workload()
-    rng = np.random.default_rng(0)
-    x, y = rng.random((SAMPLES, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, SAMPLES)
-    ddp = TorchDDPBackend(w, "cpu", options={"replicas": 2, "threads": 1})
+    ddp, x, y = _two_replicas(TorchDDPBackend)
     try:
-        ddp.build(initial_weights(w, 1))
         ddp.set_data(x, y)  # joins the group and wraps the model
         caps = ddp.ddp._bucket_config  # DDP's record of the bucket sizes it was built with
         assert caps.first_bucket_bytes_cap == caps.bucket_bytes_cap == 25 * 2 ** 20
