@@ -201,7 +201,7 @@ class TorchBackend(Backend):
         if self.net is None:
             graph = resolve(self.workload)
             self.out_shape = graph.output.out_shape  # (classes,), or (T, vocab) for a language model
-            self.net = GraphNet(graph, self.fused_attention).to(self.device)
+            self.net = GraphNet(graph, self.fused_attention, self.compiled).to(self.device)
             if self.channels_last:
                 self.net = self.net.to(memory_format=torch.channels_last)
             self.model: nn.Module = self.net

@@ -185,10 +185,12 @@ class GraphNet(nn.Module):
     """The graph's nodes in order; each value is dropped after its last reader (ResNet-50's
     activations do not all fit at once)."""
 
-    def __init__(self, graph: Graph, fused_attention: bool = False):
+    def __init__(self, graph: Graph, fused_attention: bool = False, compiled: bool = False):
         super().__init__()
         n = len(graph.nodes)
         self.nodes = nn.ModuleList(node_module(node, i == n - 1, fused_attention) for i, node in enumerate(graph.nodes))
+        if compiled:
+            _pool_before_relu(graph, self.nodes)
         self.kernel_mask = kernel_mask(graph)
         self.inputs = [node.inputs for node in graph.nodes]
         self.is_add = [isinstance(node.layer, Add) for node in graph.nodes]
@@ -261,6 +263,33 @@ class GraphNet(nn.Module):
                 if tuple(t.shape) != a.shape:  # copy_ would broadcast
                     raise ValueError(f"weight array {i}: the network's is {tuple(t.shape)}; got {a.shape}")
                 t.copy_(torch.from_numpy(a))
+
+
+def _pool_before_relu(graph: Graph, nodes: nn.ModuleList) -> None:
+    """For torch.compile: a max pool whose one input is a ReLU's output pools first and applies the
+    ReLU after it. torch 2.13's inductor on a CPU computes zero gradients for every weight before
+    a ReLU followed by a max pool (conv -> relu -> max pool: cifar10's four convolutions did not
+    train; eager and ``aot_eager`` are right, ``tests/test_fast_modes.py`` checks). The two orders
+    are the same function, value and gradient: ReLU is monotonic, so it commutes with a max (the
+    pool's -inf padding included), and both send a window's gradient to its largest input."""
+    readers: dict[int, int] = {}
+    for node in graph.nodes:
+        for j in node.inputs:
+            readers[j] = readers.get(j, 0) + 1
+    for i, node in enumerate(graph.nodes):
+        if not isinstance(node.layer, MaxPool2D) or len(node.inputs) != 1 or node.inputs[0] == INPUT:
+            continue
+        j = node.inputs[0]
+        before = nodes[j]
+        if readers[j] != 1:
+            continue
+        if isinstance(before, nn.ReLU):  # an activation layer of its own
+            nodes[j] = nn.Identity()
+        elif isinstance(before, nn.Sequential) and isinstance(before[-1], nn.ReLU):  # a layer's activation
+            before[-1] = nn.Identity()
+        else:
+            continue
+        nodes[i] = nn.Sequential(nodes[i], nn.ReLU())
 
 
 def _arrays(mod: nn.Module) -> list[torch.Tensor]:
