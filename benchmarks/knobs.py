@@ -47,7 +47,7 @@ from benchbackend.backends import registry as backends  # noqa: E402
 from benchbackend.backends.base import Options  # noqa: E402
 from benchbackend.data import arrays  # noqa: E402
 from benchbackend.run import checks  # noqa: E402
-from benchbackend.run.launch import Job, worker_environ  # noqa: E402
+from benchbackend.run.launch import Job, python_for, worker_environ  # noqa: E402
 from benchbackend.spec import workload as W  # noqa: E402
 
 #: Run in every worker before the job: each timed region also records the process's CPU time over
@@ -133,6 +133,11 @@ def _xla(flags: str) -> dict[str, str]:
     return {"XLA_FLAGS": flags}
 
 
+#: glibc's own variables (read as the process starts): nothing over 2 GB is mmap'd, nothing trimmed.
+_HEAP_KEPT = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000"}
+#: Unset (an empty value removes the variable the backend's own environment sets).
+_GLIBC_DEFAULT = {name: "" for name in _HEAP_KEPT}
+
 KNOBS: list[Knob] = [
     # torch
     Knob("torch.threads", "torch", "eager", "all cores (torch.get_num_threads)",
@@ -187,6 +192,17 @@ KNOBS: list[Knob] = [
     Knob("jax.prng", "jax", "jit", "threefry2x32 (jax_default_prng_impl)", "untouched (threefry)",
          Setting("threefry"),
          Setting("unsafe_rbg", code="import jax; jax.config.update('jax_default_prng_impl', 'unsafe_rbg')")),
+    # NumPy's heap: Chainer's and the reference's arrays are NumPy's, each step's activations fresh
+    Knob("chainer.malloc", "chainer", "define-by-run", "glibc: arrays over 128 KiB mmap'd, freed to the OS",
+         "heap-kept (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` 2 GB)", Setting("heap-kept arrays"),
+         Setting("glibc default", env=_GLIBC_DEFAULT)),
+    Knob("numpy.malloc", "numpy", "reference", "glibc: arrays over 128 KiB mmap'd, freed to the OS",
+         "heap-kept (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` 2 GB)", Setting("heap-kept arrays"),
+         Setting("glibc default", env=_GLIBC_DEFAULT)),
+    Knob("torch.malloc", "torch", "eager", "glibc: buffers over 128 KiB mmap'd, freed to the OS",
+         "untouched", Setting("glibc default"), Setting("heap-kept buffers", env=_HEAP_KEPT)),
+    Knob("tf.malloc", "tensorflow", "tf.function", "glibc: buffers over 128 KiB mmap'd, freed to the OS",
+         "untouched", Setting("glibc default"), Setting("heap-kept buffers", env=_HEAP_KEPT)),
     # onnxruntime
     Knob("ort.threads", "onnxruntime", "default", "all cores", "--threads N: intra_op_num_threads",
          Setting("all cores"), Setting("1 thread", threads=1)),
@@ -230,9 +246,10 @@ def run_cell(knob: Knob, setting: Setting, workload: W.Workload, data: str, pari
     job = Job.for_spec(spec, workload, mode=mode, precision="fp32", device="cpu", repeat=0, data=data,
                        parity_steps=parity_steps if spec.trains else 0, options=Options(threads=setting.threads))
     env = {**worker_environ(spec, "cpu", setting.threads), **setting.env, "PYTHONPATH": str(ROOT)}
+    env = {name: value for name, value in env.items() if value != ""}
     code = "import os, sys\n" + setting.code + CORES + MAIN
     try:
-        proc = subprocess.run([sys.executable, "-c", code], input=job.to_json(), capture_output=True, text=True,
+        proc = subprocess.run([python_for(spec), "-c", code], input=job.to_json(), capture_output=True, text=True,
                               env=env, cwd=ROOT, timeout=timeout)
     except subprocess.TimeoutExpired:
         return [], f"timeout ({timeout:g} s)"
