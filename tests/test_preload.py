@@ -197,12 +197,14 @@ def test_a_worker_killed_the_moment_it_is_forked_is_gone_and_reaped(tmp_path: Pa
         busy.wait()
 
 
-def test_numpy_engines_workers_keep_their_arrays_in_the_heap() -> None:
+def test_numpy_engines_workers_keep_their_arrays_in_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference's and Chainer's workers start with glibc's mmap and trim thresholds raised
     (``registry._numpy_env``: each step's arrays reused from the heap, not mapped and faulted in
     afresh; 36% of the reference's cifar10 training, docs/backends.md "Knobs"); a preloaded worker
     has them from its preloader, which glibc read them in as it started."""
     kept = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000"}
+    for var in kept:  # the suite sets them for all its processes (conftest): here only the backend may
+        monkeypatch.delenv(var, raising=False)
     for name in ("numpy", "chainer"):
         assert kept.items() <= launch.worker_environ(backends.get(name)).items(), name
     assert not kept.keys() & launch.worker_environ(backends.get("torch")).keys()  # measured: no gain there
