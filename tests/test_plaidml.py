@@ -224,6 +224,18 @@ def test_normal_tiny_run_is_ok(normal_run) -> None:
     assert msgs[-1] == {"type": "done"}
 
 
+def test_a_model_reused_after_the_trajectory_trains_as_a_fresh_one(plaidml_env: envs.EnvStatus,
+                                                                    tmp_path: Path) -> None:
+    """Without dropout the trajectory check trains the model itself (no twin to compile: PlaidML's
+    train function compiles once), and the worker's second ``build`` puts back its weights and its
+    optimizer's state (Adam's moments and step count): the epoch trains as a fresh model's does."""
+    w = small(limit=128, epochs=1, repeats=1, optimizer="adam", lr=1e-3)
+    (tmp_path / "reused").mkdir(), (tmp_path / "fresh").mkdir()
+    reused = rows(run_cell(plaidml_env, w, tmp_path / "reused", parity_steps=3), "train_epoch")
+    fresh = rows(run_cell(plaidml_env, w, tmp_path / "fresh"), "train_epoch")
+    assert reused[0]["loss"] == pytest.approx(fresh[0]["loss"], rel=1e-6, abs=0), (reused, fresh)
+
+
 def test_overflowing_run_ends_nan_loss_and_leaves_home_alone(plaidml_env: envs.EnvStatus, tmp_path: Path) -> None:
     w = small(limit=128, epochs=2, lr=1.0e6)  # SGD at 1e6: softmax saturates, log(0) in PlaidML's loss
     home = tmp_path / "home"

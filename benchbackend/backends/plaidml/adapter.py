@@ -172,9 +172,26 @@ class PlaidMLBackend(Backend):
         return net
 
     def build(self, weights: Sequence[np.ndarray]) -> int:
-        self.net = self._compiled(True, weights)
-        self.model = self.net.model
+        if getattr(self, "net", None) is None:
+            self.net = self._compiled(True, weights)
+            self.model = self.net.model
+        else:  # a second build (after the trajectory check): the same model, as a new one would start
+            self.net.set(weights)
+            self._reset_optimizer(self.model)
         return int(self.model.count_params())  # Keras counts the moving statistics too
+
+    def _reset_optimizer(self, model: Any) -> None:
+        """Keras 2.2.4's optimizer state as a fresh model's: every slot (the step count, Adam's
+        moments, momentum, RMSprop's accumulators) starts at zero. PlaidML compiles a model's train
+        function on its first ``train_on_batch`` (a resnet8 about 10 s on ``llvm_cpu``): a model
+        reused keeps it, where a new one would compile it again."""
+        K = self.keras.backend
+        slots = list(model.optimizer.weights)
+        if slots:
+            K.batch_set_value([(w, np.zeros(K.int_shape(w), dtype=K.dtype(w))) for w in slots])
+
+    def _has_dropout(self) -> bool:
+        return any(layer.type == "dropout" for layer in self.workload.model)
 
     def get_weights(self) -> list[np.ndarray]:
         return [np.asarray(w) for w in self.net.get()]
@@ -225,7 +242,9 @@ class PlaidMLBackend(Backend):
     def train_steps(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         # Keras 2.2.4 has no per-call `training=False`: a twin without Dropout layers, sharing
         # nothing but the current weights, takes the steps (in training mode: batch statistics).
-        twin = self._compiled(False, self.net.get())
+        # Without dropout the model itself is that twin: the worker's next ``build`` puts its
+        # weights and optimizer back, and its train function stays compiled for the epochs.
+        twin = self._compiled(False, self.net.get()) if self._has_dropout() else self.net
         eye = np.eye(self.workload.num_classes, dtype=np.float32)
         return [float(twin.model.train_on_batch(np.asarray(xb, np.float32), eye[np.asarray(yb)])[0])
                 for xb, yb in batches]
