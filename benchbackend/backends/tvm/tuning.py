@@ -41,8 +41,11 @@ from typing import Any, Iterator, Optional, Sequence
 
 import tvm
 from tvm import s_tir
+from tvm.ir.utils import derived_object
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func
+from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from .schedule import CPUDefault, schedule_loops
 
@@ -92,7 +95,7 @@ def measure(mods: Sequence[tvm.IRModule], target: tvm.target.Target, threads: in
     measured (median of ``repeats`` timed loops); ``inf`` where it does not build or run."""
     if not mods:
         return []
-    builder = ms.builder.LocalBuilder(max_workers=threads, f_build=build_trial)
+    builder = PooledBuilder(threads)
     runner = local_runner(ms.runner.EvaluatorConfig(repeat=repeats))
     built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
     ok = [i for i, b in enumerate(built) if b.error_msg is None]
@@ -104,6 +107,39 @@ def measure(mods: Sequence[tvm.IRModule], target: tvm.target.Target, threads: in
         if result.error_msg is None and result.run_secs:
             secs[i] = statistics.median(float(s) for s in result.run_secs)
     return secs
+
+
+#: Seconds a kernel's build may take (LocalBuilder's default).
+BUILD_TIMEOUT_S = 30.0
+_POOLS: dict[int, Any] = {}
+
+
+@derived_object
+class PooledBuilder(ms.builder.PyBuilder):
+    """MetaSchedule's ``LocalBuilder`` (``build_trial`` in worker processes), on one pool of workers
+    kept for the process. ``LocalBuilder`` starts a pool of fresh Pythons that import TVM (2.5 s each
+    here) for every ``build`` call and one more in its constructor: a search of 2 trials started
+    seven pools, most of a 23 s search on two cores. TVM restarts its pools against a leak in
+    long-lived workers; here a worker is replaced after ``maximum_process_uses`` builds."""
+
+    def __init__(self, workers: int):
+        super().__init__()
+        self.workers = workers
+
+    def build(self, build_inputs: list[Any]) -> list[Any]:
+        if self.workers not in _POOLS:
+            _POOLS[self.workers] = PopenPoolExecutor(max_workers=self.workers, timeout=BUILD_TIMEOUT_S,
+                                                     maximum_process_uses=64)
+        jobs = [(build_trial, None, b.mod, b.target, _serialize_params(b.params)) for b in build_inputs]
+        results = []
+        for done in _POOLS[self.workers].map_with_error_catching(lambda job: _worker_func(*job), jobs):
+            if done.status == StatusKind.COMPLETE:
+                results.append(ms.builder.BuilderResult(done.value, None))
+            elif done.status == StatusKind.TIMEOUT:
+                results.append(ms.builder.BuilderResult(None, f"build timed out after {BUILD_TIMEOUT_S:g} s"))
+            else:
+                results.append(ms.builder.BuilderResult(None, f"build failed: {done.value}"))
+        return results
 
 
 _RUNNERS: dict[Optional[str], Any] = {}
@@ -180,7 +216,7 @@ def _search(tasks: Sequence[Any], trials: Sequence[int], work_dir: Path, threads
     # these budgets it never would, and its training (~12 s a round here) bought nothing.
     cost_model = (ms.cost_model.XGBModel(num_tuning_cores=threads, num_warmup_samples=WARMUP_SAMPLES)
                   if _has_xgboost() else ms.cost_model.RandomModel())
-    builder = ms.builder.LocalBuilder(max_workers=threads, f_build=build_trial)
+    builder = PooledBuilder(threads)
     runner = local_runner(ms.runner.EvaluatorConfig())
     measured = [0] * len(tasks)
     for i, (task, n) in enumerate(zip(tasks, trials)):
