@@ -80,13 +80,18 @@ def test_server_p99_agrees_with_md1_queueing(tmp_path: Path) -> None:
     rate = 0.5 / service
     (row,), rows, w = _run(tmp_path / "q", "server", target=FAST, server_target_qps=rate, min_duration_s=1.0,
                            min_query_count=2000, server_latency_ms=1000.0)
-    expected = md1_sojourn_quantile(rate, service, 0.99) * 1e3
     assert row["target_qps"] == pytest.approx(rate) and row["query_count"] >= 2000
-    assert row["latency_p99_ms"] == pytest.approx(expected, rel=0.10), (row["latency_p99_ms"], expected, service)
-    # Not the median: at rho = 0.5 it sits on M/D/1's step (half the queries wait 0), where any jitter
-    # in the service moves it (11% over in a quiet run on 2026-11-27, when the p99 still agreed).
-    p90 = md1_sojourn_quantile(rate, service, 0.90) * 1e3
-    assert row["latency_p90_ms"] == pytest.approx(p90, rel=0.10), (row["latency_p90_ms"], p90, service)
+    # Each bound holds a sample of 2,000 queries of a perfect M/D/1 queue at rho = 0.5 with room to
+    # spare: simulated 2,000 times, the sample mean's 0.1-99.9% range is 0.93-1.11 of the theory's
+    # (sd 2.7%), the p90's 0.88-1.15 (sd 4.4%), the p99's 0.80-1.46 (sd 9.8%: a +-10% bound on it
+    # failed a third of perfect runs, and CI read 8.14 ms against 9.08 once). The mean, the tightest,
+    # is M/D/1's S (1 + rho / (2 (1 - rho))) = 1.5 S. Not the median: at rho = 0.5 it sits on M/D/1's
+    # step (half the queries wait 0), where any jitter in the service moves it.
+    got = (row["latency_mean_ms"], row["latency_p90_ms"], row["latency_p99_ms"], service)
+    assert row["latency_mean_ms"] == pytest.approx(1.5 * service * 1e3, rel=0.10), got
+    p90, p99 = (md1_sojourn_quantile(rate, service, q) * 1e3 for q in (0.90, 0.99))
+    assert 0.85 * p90 <= row["latency_p90_ms"] <= 1.2 * p90, (got, p90)
+    assert 0.75 * p99 <= row["latency_p99_ms"] <= 1.5 * p99, (got, p99)
 
 
 def test_multi_stream_and_offline_report_their_figures(tmp_path: Path) -> None:
@@ -241,10 +246,12 @@ def test_the_peak_search_finds_the_analytic_rate_for_a_bound(tmp_path: Path) -> 
     peak = max(good)
     assert all(r["notes"].count("LoadGen INVALID: ") == 1 for r in probes if r["loadgen_valid"] != "valid")
     assert min(r for r in bad if r > peak) <= peak * 1.02 + 1e-9  # the bracket closed within 2%
-    # M/D/1's rate is the ceiling: the sleeping backend's service jitters a little (M/G/1 queues more
-    # than M/D/1 at the same mean), which puts the true peak at or below it (CI read 5.6% below once).
+    # Each probe's p99 is a sample of 2,000 queries (sd ~10% on a perfect M/D/1 queue at these rates):
+    # a bisection to 2% on simulated perfect M/D/1 queues (300 searches) found peaks 0.81-1.14 of the
+    # analytic rate (0.5-99.5%), and LoadGen's early-stopping validity only lowers them. A search that
+    # read the p90, or the wrong bound, lands far outside (the p90's rate is ~1.5x).
     analytic = _analytic_rate(service, bound_ms / 1e3)
-    assert 0.9 * analytic <= peak <= 1.05 * analytic, (peak, analytic, service, probes)
+    assert 0.8 * analytic <= peak <= 1.15 * analytic, (peak, analytic, service, probes)
     assert checks.cell_status(rows, w)[0] == "ok"
 
 
