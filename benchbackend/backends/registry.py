@@ -29,7 +29,7 @@ def _numpy_env(device: str) -> dict[str, str]:
     # NumPy engines (the reference, Chainer) allocate each step's activations afresh; glibc serves
     # arrays over 128 KiB with new mmaps and returns them after each use, so every step faults its
     # pages in again. Kept in the heap instead (read as the process starts): the reference trains
-    # cifar10 70% faster, Chainer 5-24% (docs/backends.md, "Knobs"), the arithmetic unchanged.
+    # cifar10 57% faster, Chainer 7% (docs/backends.md, "Knobs"), the arithmetic unchanged.
     return {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000"}
 
 

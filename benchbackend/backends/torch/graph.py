@@ -269,7 +269,7 @@ def _pool_before_relu(graph: Graph, nodes: nn.ModuleList) -> None:
     """For torch.compile: a max pool whose one input is a ReLU's output pools first and applies the
     ReLU after it. torch 2.13's inductor on a CPU computes zero gradients for every weight before
     a ReLU followed by a max pool (conv -> relu -> max pool: cifar10's four convolutions did not
-    train; eager and ``aot_eager`` are right, ``tests/test_fast_modes.py`` checks). The two orders
+    train; eager and ``aot_eager`` are right; ``tests/test_torch_compile_grads.py`` checks). The two orders
     are the same function, value and gradient: ReLU is monotonic, so it commutes with a max (the
     pool's -inf padding included), and both send a window's gradient to its largest input."""
     readers: dict[int, int] = {}
