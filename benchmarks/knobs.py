@@ -134,7 +134,7 @@ def _xla(flags: str) -> dict[str, str]:
 
 
 #: glibc's own variables (read as the process starts): nothing over 2 GB is mmap'd, nothing trimmed.
-_HEAP_KEPT = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000"}
+_HEAP_KEPT = backends.HEAP_KEPT
 #: Unset (an empty value removes the variable the backend's own environment sets).
 _GLIBC_DEFAULT = {name: "" for name in _HEAP_KEPT}
 

@@ -46,15 +46,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 #: (``registry._numpy_env``): the NumPy reference runs in every test process and in every
 #: framework's worker (parity, trajectories), and glibc otherwise maps and unmaps its arrays on
 #: each step (measured on six NumPy-heavy files, -n 2: 108 s against 99 s). Arithmetic is unchanged.
-HEAP_KEPT = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000"}
+from benchbackend.backends.registry import HEAP_KEPT  # noqa: E402 (no framework imported)
+
 for _var, _value in HEAP_KEPT.items():
     os.environ.setdefault(_var, _value)  # the processes the tests start (glibc reads them at start)
 if sys.platform.startswith("linux"):  # this process, already started: glibc's mallopt
     import ctypes
 
     _libc = ctypes.CDLL(None)
-    _libc.mallopt(-1, 2_000_000_000)  # M_TRIM_THRESHOLD
-    _libc.mallopt(-3, 2_000_000_000)  # M_MMAP_THRESHOLD
+    _libc.mallopt(-1, int(HEAP_KEPT["MALLOC_TRIM_THRESHOLD_"]))  # M_TRIM_THRESHOLD
+    _libc.mallopt(-3, int(HEAP_KEPT["MALLOC_MMAP_THRESHOLD_"]))  # M_MMAP_THRESHOLD
 
 #: The slowest test files (by the sum of their tests' --durations, measured 2026-11-27 in CI's
 #: command), which collection puts first: ``--dist loadfile`` hands whole files to the two test

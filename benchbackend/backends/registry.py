@@ -12,8 +12,8 @@ from pathlib import Path
 from ..errors import BackendUnavailable
 from .spec import CNN_LAYERS, DECODER_LAYERS, TRANSFORMER_LAYERS, BackendSpec, Capabilities, Mode, gpu_index
 
-__all__ = ["BACKENDS", "BackendSpec", "Capabilities", "Mode", "get", "installed", "isolated_envs", "problem",
-           "register", "require", "require_any", "version"]
+__all__ = ["BACKENDS", "HEAP_KEPT", "BackendSpec", "Capabilities", "Mode", "get", "installed", "isolated_envs",
+           "problem", "register", "require", "require_any", "version"]
 
 
 def _tf_env(device: str) -> dict[str, str]:
@@ -25,12 +25,16 @@ def _tf_env(device: str) -> dict[str, str]:
     return env
 
 
+#: glibc's malloc thresholds (read as a process starts): nothing under 2 GB mmap'd, nothing trimmed.
+#: NumPy engines (the reference, Chainer) allocate each step's activations afresh; glibc serves
+#: arrays over 128 KiB with new mmaps and returns them after each use, so every step faults its
+#: pages in again. Kept in the heap instead: the reference trains cifar10 57% faster, Chainer 7%
+#: (docs/backends.md, "Knobs"), the arithmetic unchanged.
+HEAP_KEPT = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000"}
+
+
 def _numpy_env(device: str) -> dict[str, str]:
-    # NumPy engines (the reference, Chainer) allocate each step's activations afresh; glibc serves
-    # arrays over 128 KiB with new mmaps and returns them after each use, so every step faults its
-    # pages in again. Kept in the heap instead (read as the process starts): the reference trains
-    # cifar10 57% faster, Chainer 7% (docs/backends.md, "Knobs"), the arithmetic unchanged.
-    return {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000"}
+    return dict(HEAP_KEPT)
 
 
 def _torch_env(device: str) -> dict[str, str]:

@@ -141,9 +141,11 @@ class TorchBackend(Backend):
 
     def compile_cache(self) -> Optional[Path]:
         """torch.compile's cache (inductor's FX graphs, AOTAutograd's): the eager modes compile nothing."""
-        if self.compiled:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_folder("torchinductor"))
-        return self.cache_folder("torchinductor") if self.compiled else None
+        if not self.compiled:
+            return None
+        folder = self.cache_folder("torchinductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+        return folder
 
     def details(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cudnn_autotune": "on"} if self.device.type == "cuda" else {}
