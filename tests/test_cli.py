@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -103,6 +104,16 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert len(fast) == 1 and "pip install -e '.[" in fast[0] and "test]'" in fast[0]
     assert lines.index(fast[0]) < lines.index(ci)
     assert '"slow: ' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_quiet_part_of_ci_names_every_file_that_holds_a_quiet_machine_test():
+    """CI's second pytest names its files (collecting all of them imports every framework, 10 s):
+    a ``quiet_machine`` test in a file it does not name would never run."""
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    quiet = ci.split("-m quiet_machine", 1)[1].split("&&")[0].split()
+    marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                    if re.search(r"^(@pytest\.mark\.quiet_machine|pytestmark.*quiet_machine)", p.read_text(), re.M))
+    assert marked and sorted(quiet) == marked, (quiet, marked)
 
 
 def test_missing_real_data_is_one_line_naming_files_and_the_synthetic_alternative(tmp_path):

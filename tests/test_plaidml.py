@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -241,7 +242,10 @@ def test_overflowing_run_ends_nan_loss_and_leaves_home_alone(plaidml_env: envs.E
     home = tmp_path / "home"
     home.mkdir()
     (home / ".plaidml").write_text('{"PLAIDML_NOT_A_SETTING": 1}')  # PlaidML raises if it reads this
+    before = set(Path(tempfile.gettempdir()).glob("benchbackend-plaidml-*"))
     msgs = run_cell(plaidml_env, w, tmp_path, device="llvm_cpu.0", extra_env={"HOME": str(home)})
+    # Its settings live in benchbackend's cache: a worker (ended by os._exit) left a folder per run here.
+    assert not set(Path(tempfile.gettempdir()).glob("benchbackend-plaidml-*")) - before
     assert info(msgs)["device"] == "cpu"  # an exact PlaidML device id, named canonically (the CPU)
     epochs = rows(msgs, "train_epoch")
     assert len(epochs) == 1 and not np.isfinite(epochs[0]["loss"])  # training stops at the first NaN

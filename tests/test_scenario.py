@@ -11,6 +11,7 @@ import pytest
 from support import sleeping_backend
 from support.sleeping_backend import SERVICE_S, tiny
 
+from benchbackend.backends.base import Options
 from benchbackend.run import checks
 from benchbackend.spec import loadgen
 from conftest import any_cell, backend_params, cli, invoke, one_line_error, requires, run_cell
@@ -19,13 +20,17 @@ pytest.importorskip("mlperf_loadgen", reason="--scenario needs mlcommons-loadgen
 
 SLEEPING = "support.sleeping_backend:SleepingBackend"
 FAST = "support.sleeping_backend:FastSleepingBackend"
+QUICK = "support.sleeping_backend:QuickSleepingBackend"
 
 
 def _run(tmp_path: Path, scenario: str, target: str = SLEEPING, test: int = 256,
          **settings) -> tuple[list[dict], list[dict], object]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     w = loadgen.with_scenario(tiny(test), scenario, **settings)
-    msgs, rows = run_cell(tmp_path, w, "numpy", trains=False, target=target)
+    # LoadGen's logs where the runner puts them, in a folder of the run's (without one: a temporary
+    # folder, removed after the run): the tests read them.
+    options = Options(loadgen_dir=str(tmp_path / "loadgen"))
+    msgs, rows = run_cell(tmp_path, w, "numpy", trains=False, target=target, options=options)
     errors = [m for m in msgs if m.get("type") in ("error", "unavailable")]
     assert not errors, errors
     return [r for r in rows if r["phase"] == "scenario"], rows, w
@@ -92,6 +97,15 @@ def test_server_p99_agrees_with_md1_queueing(tmp_path: Path) -> None:
     p90, p99 = (md1_sojourn_quantile(rate, service, q) * 1e3 for q in (0.90, 0.99))
     assert 0.85 * p90 <= row["latency_p90_ms"] <= 1.2 * p90, (got, p90)
     assert 0.75 * p99 <= row["latency_p99_ms"] <= 1.5 * p99, (got, p99)
+
+
+def test_a_run_without_a_runs_folder_leaves_no_loadgen_logs_behind(tmp_path: Path) -> None:
+    """In-process, with no run's folder to keep them in (the runner always names one), LoadGen's logs
+    go to a temporary folder that is removed when the repeat ends."""
+    w = loadgen.with_scenario(tiny(64), "single-stream", min_duration_s=0.05, min_query_count=8)
+    _, rows = run_cell(tmp_path, w, "numpy", trains=False, target=SLEEPING)
+    (row,) = [r for r in rows if r["phase"] == "scenario"]
+    assert "benchbackend-loadgen-" in row["loadgen_log"] and not Path(row["loadgen_log"]).parent.exists()
 
 
 def test_multi_stream_and_offline_report_their_figures(tmp_path: Path) -> None:
@@ -234,10 +248,10 @@ def _analytic_rate(service: float, bound: float, q: float = 0.99) -> float:
 @pytest.mark.slow
 @pytest.mark.quiet_machine
 def test_the_peak_search_finds_the_analytic_rate_for_a_bound(tmp_path: Path) -> None:
-    (single,), _, _ = _run(tmp_path / "s", "single-stream", target=FAST, min_duration_s=0.5, min_query_count=64)
+    (single,), _, _ = _run(tmp_path / "s", "single-stream", target=QUICK, min_duration_s=0.5, min_query_count=64)
     service = single["latency_mean_ms"] / 1e3
-    bound_ms = 5 * sleeping_backend.FastSleepingBackend.service_s * 1e3
-    probes, rows, w = _run(tmp_path / "p", "server", target=FAST, slo_ms=bound_ms, min_duration_s=1.0,
+    bound_ms = 5 * sleeping_backend.QuickSleepingBackend.service_s * 1e3
+    probes, rows, w = _run(tmp_path / "p", "server", target=QUICK, slo_ms=bound_ms, min_duration_s=1.0,
                            min_query_count=2000)
     assert [r["probe"] for r in probes] == list(range(1, len(probes) + 1)) and len(probes) >= 4
     assert all(r["latency_bound_ms"] == bound_ms for r in probes)

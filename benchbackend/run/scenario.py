@@ -471,12 +471,10 @@ def search(probe: Callable[[float, int], dict[str, Any]], start: float, precisio
     return low
 
 
-def folder(root: str, job: Any) -> tuple[Path, str]:
-    """Where a repeat's LoadGen logs go (the run's ``<csv stem>-loadgen`` folder, else a temporary
-    one), and the repeat's name in it."""
+def tag(job: Any) -> str:
+    """A repeat's name in its run's LoadGen folder."""
     w = job.workload
-    base = Path(root) if root else Path(tempfile.mkdtemp(prefix="benchbackend-loadgen-"))
-    return base, f"{w.name}-{w.loadgen.scenario}-{job.backend}-{job.mode}-{job.precision}-r{job.repeat}"
+    return f"{w.name}-{w.loadgen.scenario}-{job.backend}-{job.mode}-{job.precision}-r{job.repeat}"
 
 
 def run(cell: Any, base: dict[str, Any], memory: Callable[[Any], dict[str, Any]], job: Any,
@@ -489,4 +487,8 @@ def run(cell: Any, base: dict[str, Any], memory: Callable[[Any], dict[str, Any]]
         cell.emit({"type": "unavailable", "message": "--scenario needs MLPerf's LoadGen: pip install "
                                                      "'benchbackend[loadgen]' (mlcommons-loadgen)"})
         return
-    Scenario(cell, base, memory, *folder(job.options.loadgen_dir, job), weights=weights).run()
+    if job.options.loadgen_dir:  # the run's ``<csv stem>-loadgen`` folder, kept beside its CSV
+        Scenario(cell, base, memory, Path(job.options.loadgen_dir), tag(job), weights=weights).run()
+        return
+    with tempfile.TemporaryDirectory(prefix="benchbackend-loadgen-") as logs:  # nobody reads them
+        Scenario(cell, base, memory, Path(logs), tag(job), weights=weights).run()

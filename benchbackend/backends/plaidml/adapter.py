@@ -5,10 +5,11 @@ lists (it lists GPU-type OpenCL devices only); anything else is an exact PlaidML
 
 PlaidML is configured through environment variables only, never through ``~/.plaidml``:
 ``PLAIDML_EXPERIMENTAL=1`` (enables ``llvm_cpu``), ``PLAIDML_DEVICE_IDS`` (set here from the
-device asked for), and ``PLAIDML_SETTINGS`` pointing to a file in this process's temp dir so a
+device asked for), and ``PLAIDML_SETTINGS`` pointing to an empty settings file in benchbackend's
+cache folder (``plaidml-home``, shared by every worker, so no worker leaves a folder behind) so a
 user's ``~/.plaidml`` is not read. ``PLAIDML_EXPERIMENTAL_CONFIG`` / ``PLAIDML_DEFAULT_CONFIG``
 are honoured when set, which is how an OpenCL platform without a built-in hardware entry is made
-usable. ``KERAS_HOME`` also points to the temp dir: Keras 2.2.4 writes ``keras.json`` there on import.
+usable. ``KERAS_HOME`` also points to that folder: Keras 2.2.4 writes ``keras.json`` there on import.
 
 OpenCL on a CPU (tests only; ``tests/test_plaidml.py`` does all of it): PlaidML 0.7 skips CPU-type
 OpenCL devices and dlopens the unversioned ``libOpenCL.so``. With PoCL installed, build
@@ -22,26 +23,31 @@ with one more ``platform.hardware_configs`` entry selecting
 """
 from __future__ import annotations
 
-import atexit
 import collections
 import collections.abc
 import json
 import os
-import shutil
 import tempfile
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-_RUN_DIR = tempfile.mkdtemp(prefix="benchbackend-plaidml-")
-atexit.register(shutil.rmtree, _RUN_DIR, ignore_errors=True)
+from ...paths import cache_dir  # noqa: E402
+
+# A worker ends with os._exit (atexit never runs), so a per-process temporary folder here was left
+# behind by every PlaidML worker: one shared folder instead, its settings file written once.
+_HOME = str(cache_dir() / "plaidml-home")
+os.makedirs(_HOME, exist_ok=True)
 os.environ.setdefault("PLAIDML_EXPERIMENTAL", "1")
 if not os.path.isfile(os.environ.get("PLAIDML_SETTINGS", "")):
     # PlaidML reads this file (falling back to ~/.plaidml) once, when plaidml.settings imports.
-    os.environ["PLAIDML_SETTINGS"] = os.path.join(_RUN_DIR, "plaidml-settings.json")
-    with open(os.environ["PLAIDML_SETTINGS"], "w") as _f:
-        json.dump({}, _f)
-os.environ["KERAS_HOME"] = _RUN_DIR
+    os.environ["PLAIDML_SETTINGS"] = os.path.join(_HOME, "plaidml-settings.json")
+    if not os.path.isfile(os.environ["PLAIDML_SETTINGS"]):
+        _fd, _tmp = tempfile.mkstemp(dir=_HOME, suffix=".json")  # whole or absent, for a worker beside
+        with os.fdopen(_fd, "w") as _f:
+            json.dump({}, _f)
+        os.replace(_tmp, os.environ["PLAIDML_SETTINGS"])
+os.environ["KERAS_HOME"] = _HOME
 
 import plaidml  # noqa: E402  (after the settings above)
 import plaidml.exceptions  # noqa: E402
