@@ -240,6 +240,72 @@ def run_cell(tmp_path: Path, w, backend: str = "numpy", **fields) -> tuple[list[
     return msgs, rows
 
 
+class Forks:
+    """The preloaded workers the suite's own worker processes come from, as a run's do
+    (``preload.Preloaders``): a framework is imported once per (interpreter, adapter, environment)
+    and each worker is forked from it, where a fresh ``python -m benchbackend.run.worker`` imported
+    it every time (119 of the 217 core-seconds the suite's directly started workers used). The six
+    most recently used preloaders are kept (a test's own environment makes one of its own)."""
+
+    MOST = 6
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, object] = {}
+
+    def start(self, python: str, env, target: str, stderr, timeout):
+        from benchbackend.run.preload import Preloaders
+
+        env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}  # pytest's, a new value each test
+        key = (str(python), target, tuple(sorted(env.items())))
+        kept = self._kept.pop(key, None) or Preloaders()
+        self._kept[key] = kept  # the most recent last
+        while len(self._kept) > self.MOST:
+            self._kept.pop(next(iter(self._kept))).close()
+        return kept.start(str(python), env, target, stderr, timeout)
+
+    def run(self, python, env, job, timeout: float = 900):
+        """One worker with ``job`` on its stdin, as ``subprocess.run([python, "-m",
+        "benchbackend.run.worker"], input=..., capture_output=True, text=True)`` runs it, and its
+        ``CompletedProcess``. Killed (its process group) after ``timeout`` seconds."""
+        import signal
+        import subprocess
+        import threading
+
+        with tempfile.TemporaryFile("w+") as err:
+            try:
+                proc = self.start(str(python), dict(env), job.target, err, timeout)
+            except OSError:  # no preloader for this interpreter: a fresh one
+                return subprocess.run([str(python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
+                                      capture_output=True, timeout=timeout, env=dict(env))
+            watchdog = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+            watchdog.start()
+            try:
+                proc.stdin.write(job.to_json())
+                proc.stdin.close()
+                out = proc.stdout.read()
+                code = proc.wait()
+            finally:
+                watchdog.cancel()
+                proc.stdout.close()
+            err.seek(0)
+            return subprocess.CompletedProcess([str(python), "-m", "benchbackend.run.worker"], code, out, err.read())
+
+    def close(self) -> None:
+        for kept in self._kept.values():
+            kept.close()
+        self._kept.clear()
+
+
+#: This test process's preloaded workers (``Forks``), closed when the session ends.
+FORKS = Forks()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_forks():
+    yield
+    FORKS.close()
+
+
 def spawn_cell(tmp_path: Path, w, backend: str = "numpy", *, env: dict | None = None, timeout: float = 900,
                **fields):
     """One cell in a real worker process (for backends whose environment must be set before the
@@ -253,7 +319,7 @@ def spawn_cell(tmp_path: Path, w, backend: str = "numpy", *, env: dict | None = 
     spec = backends.get(backend)
     cell = plan.Cell(w, plan.Choice(backend, job.mode, job.precision), job.repeat, 1, 0)
     messages = launch.stream(cell, launch.python_for(spec), env or launch.worker_environ(spec, job.device), job,
-                             timeout)
+                             timeout, preloaders=FORKS)
     rows, info = [], None
     while True:
         try:
@@ -318,7 +384,6 @@ IN_PROCESS = {"numpy", "torch", "tensorflow", "jax"}
 
 def _isolated_cell(tmp_path: Path, w, backend: str, env, **fields) -> list[dict]:
     import json
-    import subprocess
 
     from benchbackend.backends import envs
     from benchbackend.backends import registry as backends
@@ -326,8 +391,7 @@ def _isolated_cell(tmp_path: Path, w, backend: str, env, **fields) -> list[dict]
 
     spec = backends.get(backend)
     job = make_job(tmp_path, w, backend, **fields)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
-                          capture_output=True, timeout=900, env={**envs.worker_env(), **spec.env(job.device)})
+    proc = FORKS.run(env.python, {**envs.worker_env(), **spec.env(job.device)}, job)
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 0 and not [m for m in msgs if m.get("type") == "error"], proc.stderr[-3000:]
     rows = [m for m in msgs if m.get("type") == "row"]

@@ -21,7 +21,7 @@ from benchbackend.backends import envs
 from benchbackend.run import checks
 from benchbackend.spec import workload
 from benchbackend.spec.workload import Workload
-from conftest import built_env, make_job
+from conftest import FORKS, built_env, make_job
 
 pytestmark = [pytest.mark.chainer, pytest.mark.slow]
 
@@ -70,8 +70,7 @@ def run_cell(env: envs.EnvStatus, w: Workload, tmp: Path, mode: str, device: str
              parity_steps: int = 0) -> tuple[list[dict[str, Any]], str]:
     """The worker's messages (stdout, each line JSON) and its stderr."""
     job = make_job(tmp, w, "chainer", mode=mode, device=device, repeat=0, parity_steps=parity_steps)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
-                          capture_output=True, timeout=900, env=envs.worker_env())
+    proc = FORKS.run(env.python, envs.worker_env(), job, 900)
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]  # every line is protocol
     errors = [m for m in msgs if m.get("type") == "error"]
     assert proc.returncode == 0 and not errors, (errors or proc.stderr[-3000:])

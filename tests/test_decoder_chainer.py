@@ -27,7 +27,7 @@ from support.decoder import PARITY_RTOL, gpt2_trap, llama_trap
 from benchbackend.backends import envs
 from benchbackend.run import checks
 from benchbackend.spec.workload import Workload
-from conftest import built_env, make_job
+from conftest import FORKS, built_env, make_job
 
 pytestmark = [pytest.mark.chainer, pytest.mark.slow]
 
@@ -52,8 +52,7 @@ def cell(env: envs.EnvStatus, tmp: Path, w: Workload, target: Optional[str] = No
     """The rows (the trajectory decided) of one Chainer worker on ``w``; ``target``: a planted adapter
     of ``support.chainer_decoder_planted``."""
     job = make_job(tmp, w, "chainer", target=target and f"support.chainer_decoder_planted:{target}", **fields)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
-                          capture_output=True, timeout=600, env=_worker_env())
+    proc = FORKS.run(env.python, _worker_env(), job, 600)
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 0 and not [m for m in msgs if m.get("type") == "error"], (msgs, proc.stderr[-3000:])
     return [checks.trajectory(m, w) if m.get("losses") is not None else m for m in msgs if m.get("type") == "row"]

@@ -26,7 +26,7 @@ from benchbackend.errors import EnvError
 from benchbackend.run import checks
 from benchbackend.spec import workload
 from benchbackend.spec.workload import Workload
-from conftest import built_env, make_job
+from conftest import FORKS, built_env, make_job
 
 pytestmark = [pytest.mark.plaidml, pytest.mark.slow]
 PROBE = envs.Probe("plaidml", backends.BACKENDS["plaidml"].target, backends.BACKENDS["plaidml"].env("cpu"))
@@ -164,9 +164,7 @@ def run_cell(env: envs.EnvStatus, w: Workload, tmp: Path, device: str = "cpu", p
              extra_env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
     spec = backends.BACKENDS["plaidml"]
     job = make_job(tmp, w, "plaidml", device=device, repeat=0, parity_steps=parity_steps)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
-                          capture_output=True, timeout=900,
-                          env={**envs.worker_env(), **spec.env(device), **(extra_env or {})})
+    proc = FORKS.run(env.python, {**envs.worker_env(), **spec.env(device), **(extra_env or {})}, job, 900)
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     errors = [m for m in msgs if m.get("type") == "error"]
     assert proc.returncode == 0 and not errors, (errors or proc.stderr[-3000:])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +15,7 @@ from support.vit import PARITY_RTOL, trap
 from benchbackend.backends import envs
 from benchbackend.run import checks
 from benchbackend.spec.workload import Workload
-from conftest import built_env, make_job
+from conftest import FORKS, built_env, make_job
 
 pytestmark = [pytest.mark.chainer, pytest.mark.slow]
 
@@ -37,8 +36,7 @@ def cell(env: envs.EnvStatus, tmp: Path, w: Workload, target: Optional[str] = No
     job = make_job(tmp, w, "chainer", target=target and f"support.chainer_planted:{target}", **fields)
     worker_env = envs.worker_env()
     worker_env["PYTHONPATH"] += os.pathsep + str(TESTS)
-    proc = subprocess.run([str(env.python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
-                          capture_output=True, timeout=600, env=worker_env)
+    proc = FORKS.run(env.python, worker_env, job, 600)
     msgs = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 0 and not [m for m in msgs if m.get("type") == "error"], (msgs, proc.stderr[-3000:])
     parity = [m for m in msgs if m.get("type") == "row" and m["phase"] == "parity"]
