@@ -32,7 +32,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ...paths import cache_dir  # noqa: E402
+from ...paths import cache_dir
 
 # A worker ends with os._exit (atexit never runs), so a per-process temporary folder here was left
 # behind by every PlaidML worker: one shared folder instead, its settings file written once.
