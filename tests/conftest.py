@@ -46,8 +46,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 #: (``registry._numpy_env``): the NumPy reference runs in every test process and in every
 #: framework's worker (parity, trajectories), and glibc otherwise maps and unmaps its arrays on
 #: each step (measured on six NumPy-heavy files, -n 2: 108 s against 99 s). Arithmetic is unchanged.
-from support.forks import Forks  # noqa: E402
-
 from benchbackend.backends.registry import HEAP_KEPT  # noqa: E402 (no framework imported)
 
 for _var, _value in HEAP_KEPT.items():
@@ -241,6 +239,8 @@ def run_cell(tmp_path: Path, w, backend: str = "numpy", **fields) -> tuple[list[
     rows = [checks.trajectory(m, w) if m.get("losses") is not None else m for m in msgs if m.get("type") == "row"]
     return msgs, rows
 
+
+from support.forks import Forks  # noqa: E402
 
 #: This test process's preloaded workers (``support.forks``), closed when the session ends.
 FORKS = Forks()

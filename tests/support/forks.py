@@ -1,6 +1,7 @@
 """The preloaded workers the suite's own worker processes come from (``conftest.FORKS``)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,7 +42,7 @@ class Forks:
             except OSError:  # no preloader for this interpreter: a fresh one
                 return subprocess.run([str(python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
                                       capture_output=True, timeout=timeout, env=dict(env))
-            watchdog = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+            watchdog = threading.Timer(timeout, _kill_group, (proc.pid,))
             watchdog.start()
             try:
                 proc.stdin.write(job.to_json())
@@ -58,3 +59,8 @@ class Forks:
         for kept in self._kept.values():
             kept.close()
         self._kept.clear()
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # it ended as the time ran out
+        os.killpg(pid, signal.SIGKILL)
