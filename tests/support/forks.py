@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import threading
 
+from benchbackend.backends.probe import worker_command
 from benchbackend.run.preload import Preloaders
 
 
@@ -40,7 +41,7 @@ class Forks:
             try:
                 proc = self.start(str(python), dict(env), job.target, err, timeout)
             except OSError:  # no preloader for this interpreter: a fresh one
-                return subprocess.run([str(python), "-m", "benchbackend.run.worker"], input=job.to_json(), text=True,
+                return subprocess.run(worker_command(str(python)), input=job.to_json(), text=True,
                                       capture_output=True, timeout=timeout, env=dict(env))
             watchdog = threading.Timer(timeout, _kill_group, (proc.pid,))
             watchdog.start()
@@ -53,7 +54,7 @@ class Forks:
                 watchdog.cancel()
                 proc.stdout.close()
             err.seek(0)
-            return subprocess.CompletedProcess([str(python), "-m", "benchbackend.run.worker"], code, out, err.read())
+            return subprocess.CompletedProcess(worker_command(str(python)), code, out, err.read())
 
     def close(self) -> None:
         for kept in self._kept.values():
