@@ -164,10 +164,14 @@ def test_torch_bf16_resnet20_trajectory_passes_its_bound(tmp_path: Path) -> None
     raw = next(m for m in msgs if m.get("phase") == "parity" and m.get("steps"))
     traj = checks.trajectory(raw, resnet, "bf16")
     assert traj["parity_step"] is None, traj["notes"]
-    assert traj["parity_max_rel"] > 1e-3, traj  # bf16 really ran, and step 2 is past the default bound
-    # The bound is resnet20's own: the default bf16 bound would fail this correct run at step 2.
+    assert traj["parity_max_rel"] > 1e-3, traj  # bf16 really ran: step 2 is past resnet20's step-1 bound
+    # The bound is resnet20's own. Whether the default bf16 bound (1.25e-2 at step 2) would fail this
+    # correct run depends on the CPU's bf16 arithmetic: 2.9e-2 on a CPU without AMX, 9.7e-3 on a Xeon
+    # with AMX (seed 1; 8.1e-3 and 1.6e-2 at seeds 2 and 3). Without resnet20's own entry, the default
+    # bound is the one applied, and step 2 is where it fails whenever the run parts by more than it.
     default = resnet.model_copy(update={"checks": resnet.checks.model_copy(update={"trajectory_tolerance": {}})})
-    assert checks.trajectory(raw, default, "bf16")["parity_step"] == 2
+    expected = 2 if traj["parity_max_rel"] > 1.25e-2 else None  # step 1 is within 1e-3, so the max is step 2's
+    assert checks.trajectory(raw, default, "bf16")["parity_step"] == expected
     # Forward parity, both rows (inference mode; training mode with batch statistics), against
     # resnet20's own bf16 tolerance: the second H100 run read 1.45e-2 in training mode, past the
     # default rtol (1e-2), on a correct run; so does this batch on the CPU (1.89e-2).
