@@ -210,8 +210,10 @@ def one_line_error(result) -> str:
 def envs_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the isolated environments (PlaidML, Chainer) are built once and reused across runs:
     $BENCHBACKEND_ENVS if set, else pytest's cache folder (.pytest_cache/d/benchbackend-envs)."""
-    if os.environ.get("BENCHBACKEND_ENVS"):
-        return Path(os.environ["BENCHBACKEND_ENVS"])
+    if os.environ.get("BENCHBACKEND_ENVS"):  # made if need be, as the product makes its own
+        root = Path(os.environ["BENCHBACKEND_ENVS"])
+        root.mkdir(parents=True, exist_ok=True)
+        return root
     cache = getattr(request.config, "cache", None)
     return cache.mkdir("benchbackend-envs") if cache else tmp_path_factory.mktemp("envs")
 
