@@ -8,6 +8,7 @@ import csv
 import html
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,28 @@ def _stderr_warnings(stderr: str) -> list[str]:
             if line.startswith("warning: ") and not line.startswith("warning: the machine is busy:")]
 
 
-def test_run_ends_with_the_reports_warnings_before_its_verdict_and_compare_prints_them(monkeypatch, tmp_path):
-    got, out = _run(monkeypatch, tmp_path, "--precision", "fp32", "--precision", "fp64", "--epochs", "2",
-                    "--repeats", "2")
+@pytest.fixture(scope="module")
+def two_precisions():
+    """One run of two precisions, two epochs, two repeats, with its report, shared by the tests that
+    read it (each such run took 12-22 s); ``compare.report_warnings`` is watched while it runs, so
+    the test of who calls it needs no run of its own. (the run's result, its CSV, every list of
+    warnings report_warnings returned during the run)."""
+    seen: list[list[str]] = []
+    real = compare.report_warnings
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as folder:
+        mp.setattr(compare, "report_warnings", spy)
+        got, out = _run(mp, Path(folder), "--precision", "fp32", "--precision", "fp64", "--epochs", "2",
+                        "--repeats", "2")
+        yield got, out, list(seen)  # the run's calls, not the tests' own compares after it
+
+
+def test_run_ends_with_the_reports_warnings_before_its_verdict_and_compare_prints_them(two_precisions, tmp_path):
+    got, out, _ = two_precisions
     report = _report_warnings(out.with_name("r-plots") / "index.html")
     assert any(w.startswith("fewer than 3 timed repeats") for w in report)
     assert _stderr_warnings(got.stderr) == report
@@ -62,18 +82,9 @@ def test_run_ends_with_the_reports_warnings_before_its_verdict_and_compare_print
     assert _stderr_warnings(cmp.stderr) == _report_warnings(tmp_path / "cmp" / "index.html") == report
 
 
-def test_one_function_gives_every_consumer_its_warnings(monkeypatch, tmp_path):
+def test_one_function_gives_every_consumer_its_warnings(two_precisions):
     """compare's outcome, run's terminal and the report all take ``compare.report_warnings``."""
-    seen: list[list[str]] = []
-    real = compare.report_warnings
-
-    def spy(*args, **kwargs):
-        seen.append(real(*args, **kwargs))
-        return seen[-1]
-
-    monkeypatch.setattr(compare, "report_warnings", spy)
-    got, out = _run(monkeypatch, tmp_path, "--precision", "fp32", "--precision", "fp64", "--epochs", "2",
-                    "--repeats", "2")
+    got, out, seen = two_precisions
     assert len(seen) == 1 and _stderr_warnings(got.stderr) == seen[0]
     assert _report_warnings(out.with_name("r-plots") / "index.html") == seen[0]
 
@@ -165,9 +176,8 @@ def test_baseline_takes_any_mode_in_the_data_and_json_carries_the_mode(tmp_path,
     assert {g["backend"]: g["train_verdict"] for g in out["groups"]}[base] == "baseline"
 
 
-def test_baseline_with_a_mode_on_a_fresh_run(monkeypatch, tmp_path):
-    _, out = _run(monkeypatch, tmp_path, "--precision", "fp32", "--precision", "fp64", "--epochs", "2",
-                  "--repeats", "1", plots=False)
+def test_baseline_with_a_mode_on_a_fresh_run(two_precisions):
+    _, out, _ = two_precisions
     got = CliRunner().invoke(main, ["compare", str(out), "--baseline", "numpy:reference", "--format", "json"])
     assert got.exit_code == 0, got.output
     assert {g["mode"] for g in json.loads(got.stdout)["groups"]} == {"reference"}
