@@ -8,7 +8,6 @@ import csv
 import html
 import json
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,7 +46,7 @@ def _stderr_warnings(stderr: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_precisions():
+def two_precisions(tmp_path_factory):
     """One run of two precisions, two epochs, two repeats, with its report, shared by the tests that
     read it (each such run took 12-22 s); ``compare.report_warnings`` is watched while it runs, so
     the test of who calls it needs no run of its own. (the run's result, its CSV, every list of
@@ -59,10 +58,10 @@ def two_precisions():
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
-    with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as folder:
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(compare, "report_warnings", spy)
-        got, out = _run(mp, Path(folder), "--precision", "fp32", "--precision", "fp64", "--epochs", "2",
-                        "--repeats", "2")
+        got, out = _run(mp, tmp_path_factory.mktemp("two-precisions"), "--precision", "fp32", "--precision", "fp64",
+                        "--epochs", "2", "--repeats", "2")
         yield got, out, list(seen)  # the run's calls, not the tests' own compares after it
 
 
