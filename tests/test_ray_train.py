@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from support import scale
@@ -57,8 +58,12 @@ class StallingReplica(TorchDDPBackend):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head that takes no cells, joined by the driver; each test adds its two worker nodes."""
-    with scale.simulated_cluster(0) as c:
+    """A head that takes no cells, joined by the driver; each test adds its two worker nodes.
+
+    Ray Train's controller polls its workers every 0.2 s, not every 2 s: it then reports the
+    surviving replica's failed collective before the lost node's worker (each time, in runs here),
+    the order in which the node-lost test must still read a lost node, not a gloo error."""
+    with scale.simulated_cluster(0, env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}) as c:
         yield c
 
 
@@ -99,6 +104,21 @@ def test_replicas_reserve_whole_nodes_where_there_are_enough_and_share_them_wher
     assert replica_cpus([node(8, GPU=2)], 2, {"GPU": 1}, None) == 4
     assert replica_cpus([node(1), node(0)], 2, {}, None) == 0.5
     assert replica_cpus([node(0)], 2, {}, None) is None  # a head that takes no work
+
+
+def test_a_silent_replica_on_a_dead_node_is_the_reason_not_the_survivors_collective_error():
+    from benchbackend.run.executors.ray_train import ReplicaFailed, _dead_silent_replica, _Run
+    from benchbackend.run.messages import Outcome
+
+    run = _Run(SimpleNamespace(job=SimpleNamespace(options=SimpleNamespace(replicas=2))))  # it reads no more
+    run.nodes.update({0: "aaaaaaaa0000", 1: "bbbbbbbb1111"})
+    run.ends[0] = Outcome("crashed", "Connection closed by peer")  # replica 0's gloo, its peer gone
+    failure = ReplicaFailed("replica 0: crashed: Connection closed by peer")
+    assert run.outcome(failure).message == "Connection closed by peer"  # the cluster not asked: the survivor
+    lost = run.outcome(failure, dead=1)
+    assert lost.status == "crashed" and lost.message == "Ray Train lost replica 1 on node bbbbbbbb: its node died"
+    run.ends[1] = Outcome("crashed", "loss is nan")  # every replica reported its end: none is silent,
+    assert _dead_silent_replica(run, wait_s=60) is None  # so no node is looked up and nothing waits
 
 
 def test_two_replicas_run_on_two_nodes_and_pass_replica_parity(two_nodes, tmp_path, monkeypatch):

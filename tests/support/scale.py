@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import yaml
 
@@ -50,9 +50,9 @@ FAST_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
 
 
 @contextmanager
-def simulated_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[Any]:
+def simulated_cluster(nodes: int, cpus_per_node: int = 1, env: Optional[dict[str, str]] = None) -> Iterator[Any]:
     """A local Ray cluster of ``nodes`` worker nodes (processes on this machine) behind a head that
-    takes no cells, joined by this process; torn down after."""
+    takes no cells, joined by this process (its tasks and actors get ``env``); torn down after."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -62,7 +62,8 @@ def simulated_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[Any]:
         for _ in range(nodes):
             cluster.add_node(num_cpus=cpus_per_node)
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+        ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False,
+                 runtime_env={"env_vars": env} if env else None)
         yield cluster
     finally:
         ray.shutdown()

@@ -17,12 +17,17 @@ the mailbox; each kills its worker and fails, and Ray Train then removes what it
 Faults: Ray Train retries nothing (every retry budget is 0: a retried cell would be measured
 twice). A replica whose worker failed gives the cell that worker's status (``crashed``,
 ``timeout``, ``unavailable``) and message; a Ray Train worker lost with its node makes ``fit()``
-raise, and the cell ends ``crashed`` with a one-line reason naming the replica and its node. The
-rows already streamed are kept, and the unit's next cells run if the live nodes still hold them.
+raise, and the cell ends ``crashed`` with a one-line reason naming the replica and its node, also
+when Ray Train reports the survivors' failed collectives first (a replica that never reported its
+worker's end, on a node the cluster declares dead, is that reason). The rows already streamed are
+kept, and the unit's next cells run if the live nodes still hold them.
 
 Only an adapter that joins a process group made outside its worker (``options.rendezvous``) can be
 started this way (its registry entry says so: ``Capabilities.ray_train``); another backend's
 replica cells are ``unavailable``.
+
+Over 400 lines: the cell's side (its task, ``_Run``, how the cell ended) and the replicas' side
+(``_replica``) are the two ends of one protocol over the ``Mailbox``, read together.
 """
 from __future__ import annotations
 
@@ -231,7 +236,36 @@ def _cell(task: "Task", source: DataSource, cpus: float, needs: Mapping[str, flo
         ray.kill(box)
     if not run.started:  # the run failed before rank 0's worker started
         yield encode(Started(task.cell, _environment()))
-    return run.outcome(failed[0] if failed else None)
+    failure = failed[0] if failed else None
+    unnamed = failure is not None and _lost(failure) is None  # Ray Train named no lost worker
+    return run.outcome(failure, _dead_silent_replica(run, _node_death_s()) if unnamed else None)
+
+
+def _node_death_s() -> float:
+    """How long the cluster's head takes to declare dead a node whose raylet stopped answering: its
+    first health check's delay, then so many failed checks (Ray's defaults: 5 + 5 x 3 + 10 = 30 s)."""
+    from ray._raylet import Config
+
+    return (Config.health_check_initial_delay_ms() + Config.health_check_failure_threshold()
+            * Config.health_check_period_ms() + Config.health_check_timeout_ms()) / 1e3
+
+
+def _dead_silent_replica(run: "_Run", wait_s: float) -> Optional[int]:
+    """The rank of a replica that never reported its end (each failed replica reports it before it
+    raises) on a node the cluster declared dead within ``wait_s``; else None. Ray Train may report
+    the survivors' failed collectives before it sees the node gone: the node is why the cell failed.
+    A replica silent because Ray Train stopped it after another failed costs the cell that wait."""
+    silent = {rank: run.nodes[rank] for rank in range(run.replicas) if rank not in run.ends and rank in run.nodes}
+    deadline = time.monotonic() + wait_s
+    while silent:
+        alive = {node["NodeID"] for node in alive_nodes()}
+        dead = [rank for rank, node in sorted(silent.items()) if node not in alive]
+        if dead:
+            return dead[0]
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(_POLL_S)
+    return None
 
 
 class _Run:
@@ -261,15 +295,16 @@ class _Run:
             return order, kind, {**fields, "fields": row}
         return report.message
 
-    def outcome(self, failure: Optional[BaseException]) -> Outcome:
+    def outcome(self, failure: Optional[BaseException], dead: Optional[int] = None) -> Outcome:
         """The cell's outcome: a replica that was ``unavailable``; else a Ray Train worker lost (its
-        node, say); else the first replica whose worker failed, in rank order; else Ray Train's own
-        failure; else ``done``."""
+        node, say), as Ray Train reports it or as the cluster does (``dead``: the rank of a silent
+        replica whose node died, :func:`_dead_silent_replica`); else the first replica whose worker
+        failed, in rank order; else Ray Train's own failure; else ``done``."""
         ended = sorted(self.ends.items())
         for rank, end in ended:
             if end.status == "unavailable":
                 return _as_replica(rank, end)
-        lost = _lost(failure)
+        lost = _lost(failure) or (None if dead is None else (dead, "its node died"))
         if lost:
             rank, why = lost
             where = f" on node {self.nodes[rank][:8]}" if rank in self.nodes else ""
