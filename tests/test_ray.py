@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import sys
 import time
@@ -27,15 +26,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("ray
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One local cluster for the module (starting Ray costs seconds); executors find it running."""
+    """One local cluster for the module (starting Ray costs seconds), started as ``--executor ray``
+    without ``--address`` starts it; the executors of the tests find it running."""
     import ray
 
-    from benchbackend.run.executors.ray import local_resources
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
-             resources=local_resources())
+    _ray_executor(num_cpus=2).connect()
     yield ray
     ray.shutdown()
+
+
+def test_the_local_cluster_runs_its_tasks_at_the_normal_priority(cluster):
+    @cluster.remote(num_cpus=1)
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert cluster.get(niceness.remote()) == 0  # not Ray's worker_niceness, 15
 
 
 def _plan(tmp_path: Path, name: str, backend: str = "numpy", limit: int = 256, epochs: int = 1, repeats: int = 2,

@@ -67,12 +67,13 @@ def test_a_node_removed_mid_cell_costs_that_cell_only(nodes, tmp_path, monkeypat
     for _ in range(2):
         nodes.add_node(num_cpus=1)
     nodes.wait_for_nodes()
-    removed = []
+    removed, niceness = [], []
 
     def remove_the_stalled_node() -> None:
         deadline = time.monotonic() + 240
         while not (mark.exists() and mark.read_text()) and time.monotonic() < deadline:
             time.sleep(0.2)
+        niceness.append(int(mark.with_suffix(".nice").read_text()))  # the stalled cell's worker process
         node = scale.node_of(int(mark.read_text()), nodes)
         nodes.remove_node(node, allow_graceful=False)
         removed.append(node)
@@ -84,6 +85,7 @@ def test_a_node_removed_mid_cell_costs_that_cell_only(nodes, tmp_path, monkeypat
     cells = _run(tmp_path, plan, _executor(retries=retries))
     remover.join(timeout=1)
     assert removed, "the stalled cell's node was never removed"
+    assert niceness == [0] or os.geteuid() != 0  # not Ray's 15, where this user may lower a niceness
     statuses = sorted(c.status for c in cells)
     assert len(cells) == 4  # every cell ended once, whatever its node
     df = results.read(tmp_path / "out.csv")
@@ -110,6 +112,37 @@ def test_a_node_removed_mid_cell_costs_that_cell_only(nodes, tmp_path, monkeypat
     from benchbackend.analysis import experiments
 
     assert not experiments.for_comparison(df)["status"].isin(["retried"]).any()
+
+
+def test_a_niceness_that_cannot_be_lowered_is_kept_and_said_once_per_host(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+    from support import inprocess
+
+    from benchbackend.cli import main
+    from benchbackend.run.executors import ray_node
+    from benchbackend.run.messages import Started
+
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    with monkeypatch.context() as m:  # a user without CAP_SYS_NICE, in a Ray worker at niceness 15
+        m.setattr(os, "getpriority", lambda *args: 15)
+        m.setattr(os, "setpriority", refused)
+        kept = ray_node.normal_priority()
+    assert kept == {"nice": "15"}
+    inprocess.use(monkeypatch)
+    real = inprocess.InProcessExecutor.run
+
+    def on_that_node(self, tasks):  # each cell's environment as cell_task gives it
+        for message in real(self, tasks):
+            yield Started(message.cell, {"host": "node-a", **kept}) if isinstance(message, Started) else message
+
+    monkeypatch.setattr(inprocess.InProcessExecutor, "run", on_that_node)
+    out = CliRunner().invoke(main, ["run", "mnist", "-b", "numpy", "--inference-only", "--data", "synthetic", "--limit",
+                                    "200", "--repeats", "2", "--no-plots", "-o", str(tmp_path / "r.csv")])
+    assert out.exit_code == 0, out.output
+    assert out.output.count("warning: cells on node-a run at niceness 15 (Ray's worker_niceness)") == 1, out.output
+    assert "RAY_worker_niceness=0" in out.output
 
 
 def test_work_waits_for_a_node_to_join_then_runs(nodes, tmp_path):

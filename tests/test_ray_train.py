@@ -37,8 +37,9 @@ except ImportError:  # torch absent: the module skips
 
 
 class StallingReplica(TorchDDPBackend):
-    """Replica 1 stalls at the start of epoch 2 (after it wrote its Ray worker's PID to ``STALL_MARK``)
-    until the test removes its node; replica 0 has streamed epoch 1's row by then."""
+    """Replica 1 stalls at the start of epoch 2 (after it wrote its Ray worker's PID to ``STALL_MARK``,
+    and its own niceness beside it) until the test removes its node; replica 0 has streamed epoch 1's
+    row by then."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -50,6 +51,7 @@ class StallingReplica(TorchDDPBackend):
             from support.killer_backend import ray_worker
 
             mark = Path(os.environ["STALL_MARK"])
+            mark.with_suffix(".nice").write_text(str(os.getpriority(os.PRIO_PROCESS, 0)))  # this worker's
             mark.with_suffix(".tmp").write_text(str(ray_worker()))
             mark.with_suffix(".tmp").rename(mark)
             time.sleep(120)
@@ -152,12 +154,13 @@ def test_a_node_lost_mid_cell_crashes_that_cell_and_keeps_every_row_written(two_
     spec = replace(torch, name="stalling", capabilities=replace(torch.capabilities, replicas=target),
                    env=lambda device: {"STALL_MARK": str(mark), "PYTHONPATH": path})
     monkeypatch.setitem(backends.BACKENDS, "stalling", spec)
-    removed = []
+    removed, niceness = [], []
 
     def remove_the_stalled_node() -> None:
         deadline = time.monotonic() + 240
         while not mark.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
+        niceness.append(int(mark.with_suffix(".nice").read_text()))  # replica 1's worker process
         node = scale.node_of(int(mark.read_text()), two_nodes)
         two_nodes.remove_node(node, allow_graceful=False)
         removed.append(node)
@@ -170,6 +173,7 @@ def test_a_node_lost_mid_cell_crashes_that_cell_and_keeps_every_row_written(two_
     cells = _run(tmp_path, plan)
     remover.join(timeout=1)
     assert removed, "the stalled replica's node was never removed"
+    assert niceness == [0] or os.geteuid() != 0  # not Ray's 15, where this user may lower a niceness
     assert [(c.backend, c.status) for c in cells] == [("numpy", "ok"), ("stalling", "crashed")]
     lost = cells[1].message
     assert lost.startswith(f"Ray Train lost replica 1 on node {removed[0].node_id[:8]}: ") and "\n" not in lost, lost

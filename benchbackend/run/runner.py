@@ -160,6 +160,7 @@ class Runner:
         self.checksums: dict[str, str] = {}  # of each workload's arrays (``arrays.checksum``)
         self.open: dict[int, _Open] = {}
         self.attempts: dict[int, int] = {}  # cell order -> attempts started (``--retries`` runs one again)
+        self.niced: set[str] = set()  # the hosts whose cells run at a niceness Ray gave them, said once
         self.waiting: dict[GroupId, int] = {}
 
     def run(self) -> list[CellResult]:
@@ -304,6 +305,12 @@ class Runner:
         if attempt == 1:
             self.display.cell_started(cell)
         where = f" on {message.environment['host']}" if message.environment.get("host") else ""
+        nice = message.environment.get("nice")
+        if nice and where not in self.niced:
+            self.niced.add(where)
+            self.display.announce(f"warning: cells{where} run at niceness {nice} (Ray's worker_niceness), behind "
+                                  "every process of normal priority there: start that Ray node with "
+                                  "RAY_worker_niceness=0, or run as a user who may lower a niceness")
         again = f" (attempt {attempt})" if attempt > 1 else ""
         self.display.note(f"{progress.tag(cell)} starting worker{where}{again}")
 

@@ -4,9 +4,9 @@ node would.
 
 ``KILLER_MARK`` names a file: the first worker to reach its second epoch creates it (atomically:
 workers on two nodes may race), writes the Ray worker's PID into it, and kills; every later worker
-finds it and trains normally. ``KILLER_GRACE`` seconds pass before the kill so that the first
-epoch's row has reached the driver (a real fault strikes long after it), or so that a test can
-remove the node meanwhile.
+finds it and trains normally. Beside it, ``<mark>.nice`` holds that worker's niceness.
+``KILLER_GRACE`` seconds pass before the kill so that the first epoch's row has reached the driver
+(a real fault strikes long after it), or so that a test can remove the node meanwhile.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class KillerNumpyBackend(NumpyBackend):
             fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        mark.with_suffix(".nice").write_text(str(os.getpriority(os.PRIO_PROCESS, 0)))  # before the PID: read after it
         os.write(fd, str(ray_worker()).encode())
         os.close(fd)
         return True

@@ -139,8 +139,10 @@ class RayExecutor:
                 ray.init(address=self.address, **quiet)
             else:
                 # "local": a new cluster, even where another runs on this machine (ray.init() would join
-                # the last one started here, e.g. by `ray start` or a test's cluster).
-                ray.init(address="local", num_cpus=self.num_cpus, resources=local_resources(), **quiet)
+                # the last one started here, e.g. by `ray start` or a test's cluster). Its workers at the
+                # normal priority, not Ray's niceness 15 (ray_node.normal_priority needs no privilege then).
+                ray.init(address="local", num_cpus=self.num_cpus, resources=local_resources(),
+                         _system_config={"worker_niceness": 0}, **quiet)
         except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
             where = f"the Ray cluster at {self.address}" if self.address else "a local Ray cluster"
             raise ClusterError(f"cannot join {where}: {str(exc).strip().splitlines()[0]}") from None

@@ -45,7 +45,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..launch import python_for, stream, worker_environ
 from ..messages import Encoded, Ended, Outcome, Started, encode
-from .ray_node import DataSource, alive_nodes, forward, materialize
+from .ray_node import DataSource, alive_nodes, forward, materialize, normal_priority
 
 if TYPE_CHECKING:
     from ..plan import GroupId
@@ -360,7 +360,7 @@ def _replica(config: dict[str, Any]) -> None:
         while not (rendezvous := ray.get(box.address.remote())):
             time.sleep(0.1)
     ray.get(box.post.remote(_Report(rank, node=ray.get_runtime_context().get_node_id())))
-    node_env = _environment()
+    node_env = {**_environment(), **normal_priority()}
     with tempfile.TemporaryDirectory(prefix="benchbackend-replica-") as tmp:
         try:
             path, origin = materialize(config["source"], Path(tmp))
