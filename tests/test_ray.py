@@ -17,6 +17,7 @@ from benchbackend.run import plan as planning
 from benchbackend.run import progress, runner
 from benchbackend.run.executors.local import LocalExecutor
 from benchbackend.spec import workload
+from conftest import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,6 +139,44 @@ def test_an_unreachable_address_is_one_line_cluster_error(tmp_path):
             _ray_executor(address=address).connect()
         assert says in str(info.value) and "\n" not in str(info.value)
         assert isinstance(info.value, BenchError)
+
+
+def test_a_cluster_that_asks_for_its_token_says_how_to_send_it(tmp_path):
+    """``ray start`` enables token authentication where a token exists (any local ``ray.init`` made
+    one in ~/.ray), and Ray sends a token to a named address only in RAY_AUTH_MODE=token."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    # Not this process's RAY_AUTH_MODE (a local ray.init sets it): "" is Ray's "not token", as unset.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"HOME": str(tmp_path),
+                                                                                "RAY_AUTH_MODE": ""}
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+    token = {**env, "RAY_AUTH_MODE": "token"}
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", "1",
+                             "--include-dashboard", "false"], env=token, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run([ray_cli, "status", "--address", f"127.0.0.1:{port}"], env=token,
+                             capture_output=True).returncode != 0:
+            assert head.poll() is None and time.monotonic() < deadline, "the head did not start"
+            time.sleep(1)
+        args = ["run", "mnist", "-b", "numpy", "--inference-only", "--executor", "ray", "--address",
+                f"127.0.0.1:{port}", "--data", "synthetic", "--limit", "256", "--repeats", "1", "--no-plots"]
+        refused = cli(*args, "-o", str(tmp_path / "refused.csv"), env=env)
+        assert refused.returncode == 2 and not (tmp_path / "refused.csv").exists(), refused.stderr[-2000:]
+        assert refused.stderr.strip().splitlines() == [refused.stderr.strip()], refused.stderr  # one line
+        assert "cannot join the Ray cluster" in refused.stderr and "set RAY_AUTH_MODE=token" in refused.stderr
+        sent = cli(*args, "-o", str(tmp_path / "sent.csv"), env=token)
+        assert sent.returncode == 0, sent.stderr[-2000:]
+        assert set(results.read(tmp_path / "sent.csv")["status"]) == {"ok"}
+    finally:
+        head.terminate()
+        head.wait(60)
 
 
 def test_cells_per_node_shares_a_node_cpus():

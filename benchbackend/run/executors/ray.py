@@ -35,11 +35,18 @@ the same node while it lives, else to another. Ray itself never retries a task (
 cells twice). When the consumer stops (Ctrl-C), every task is cancelled, which kills its worker.
 
 The data is not shipped with the cells: each node finds or makes it (``ray_node.materialize``).
+
+Over 400 lines: placement, the wait for nodes, the stream and its faults are one loop over one
+picture of the cluster (``_Session``); joining the cluster is the small rest.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
+import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -134,19 +141,61 @@ class RayExecutor:
         if ray.is_initialized():
             return
         quiet = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
+        failure: Optional[Exception] = None
+        # Joining: Ray's core kept off the terminal. Starting: not (Ray's processes would inherit the spool).
+        with _stderr_kept() if self.address else contextlib.nullcontext([""]) as logged:
+            try:
+                if self.address:
+                    ray.init(address=self.address, **quiet)
+                else:
+                    # "local": a new cluster, even where another runs on this machine (ray.init() would
+                    # join the last one started here, e.g. by `ray start` or a test's cluster). Its workers
+                    # at the normal priority, not Ray's niceness 15 (ray_node.normal_priority).
+                    ray.init(address="local", num_cpus=self.num_cpus, resources=local_resources(),
+                             _system_config={"worker_niceness": 0}, **quiet)
+            except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
+                failure = exc
+        if failure is None:
+            sys.stderr.write(logged[0])  # what Ray's core said while joining, as it would have
+            self._owned = True
+            return
+        where = f"the Ray cluster at {self.address}" if self.address else "a local Ray cluster"
+        raise ClusterError(f"cannot join {where}: {str(failure).strip().splitlines()[0]}{_token_hint(logged[0])}")
+
+
+@contextlib.contextmanager
+def _stderr_kept() -> Iterator[list[str]]:
+    """What is written to this process's stderr (Ray's core writes to the descriptor) meanwhile,
+    as the list's one item after the block: a refused join logs a line a second for ~20 s before
+    ``ray.init`` raises, and the user should read one line that says why."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    got: list[str] = []
+    with tempfile.TemporaryFile() as spool:
+        os.dup2(spool.fileno(), 2)
         try:
-            if self.address:
-                ray.init(address=self.address, **quiet)
-            else:
-                # "local": a new cluster, even where another runs on this machine (ray.init() would join
-                # the last one started here, e.g. by `ray start` or a test's cluster). Its workers at the
-                # normal priority, not Ray's niceness 15 (ray_node.normal_priority needs no privilege then).
-                ray.init(address="local", num_cpus=self.num_cpus, resources=local_resources(),
-                         _system_config={"worker_niceness": 0}, **quiet)
-        except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
-            where = f"the Ray cluster at {self.address}" if self.address else "a local Ray cluster"
-            raise ClusterError(f"cannot join {where}: {str(exc).strip().splitlines()[0]}") from None
-        self._owned = True
+            yield got
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            spool.seek(0)
+            got.append(spool.read().decode(errors="replace"))
+
+
+def _token_hint(logged: str) -> str:
+    """Why a join was refused, where Ray's core logged that the cluster refused this driver's token
+    (``ray.init`` itself says no more than "Failed to connect"). A cluster that ``ray start`` started
+    asks for one where the head has a token (any local ``ray.init`` makes one, in ~/.ray), and Ray
+    sends its token to an address named explicitly only in ``RAY_AUTH_MODE=token``: Ray's choice,
+    kept (a token goes only where the user says)."""
+    if "InvalidAuthToken" not in logged:
+        return ""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ("; the cluster asks for its token (Ray's token authentication): set RAY_AUTH_MODE=token, with "
+                "the head's token (`ray get-auth-token` there) in ~/.ray/auth_token or RAY_AUTH_TOKEN")
+    return ("; the cluster refused this machine's token: use the head's (`ray get-auth-token` there), in "
+            "~/.ray/auth_token or RAY_AUTH_TOKEN")
 
 
 def _check_reachable(address: str) -> None:
