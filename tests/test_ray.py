@@ -130,8 +130,7 @@ def test_gpu_cells_on_a_cluster_without_gpus_are_unavailable(cluster, tmp_path, 
 
 
 def test_an_unreachable_address_is_one_line_cluster_error(tmp_path):
-    from benchbackend.errors import BenchError
-    from benchbackend.run.executors.ray import ClusterError
+    from benchbackend.errors import BenchError, ClusterError
 
     for address, says in [("127.0.0.1:1", "cannot reach the Ray cluster at 127.0.0.1:1"),
                           ("no-port-here", "expected HOST:PORT")]:

@@ -35,18 +35,11 @@ the same node while it lives, else to another. Ray itself never retries a task (
 cells twice). When the consumer stops (Ctrl-C), every task is cancelled, which kills its worker.
 
 The data is not shipped with the cells: each node finds or makes it (``ray_node.materialize``).
-
-Over 400 lines: placement, the wait for nodes, the stream and its faults are one loop over one
-picture of the cluster (``_Session``); joining the cluster is the small rest.
+Joining the cluster (or starting a local one) is ``ray_join.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import socket
-import sys
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -57,9 +50,9 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ...errors import ClusterError
 from ..messages import Ended, Message, Outcome, Started, decode
-from .ray_node import ENV_RESOURCE, DataSource, alive_nodes, cell_task, local_resources, missing, needs
+from .ray_join import join
+from .ray_node import ENV_RESOURCE, DataSource, alive_nodes, cell_task, missing, needs
 from .ray_train import replica_cpus, start_replicas, too_few, unsupported
 
 if TYPE_CHECKING:
@@ -67,7 +60,6 @@ if TYPE_CHECKING:
     from ..runner import Task
 
 _POLL_S = 0.5
-_CONNECT_TIMEOUT_S = 10.0
 _CANCEL_GRACE_S = 10.0
 #: The node of a running data-parallel unit: it holds every node (see the module docstring).
 _CLUSTER = "*"
@@ -136,79 +128,8 @@ class RayExecutor:
         The CLI may call it before preparing data, to fail fast. Raises ``ClusterError`` when the
         address cannot be reached (``ray.init`` itself would retry for minutes) or Ray fails to start.
         """
-        if self.address:
-            _check_reachable(self.address)
-        if ray.is_initialized():
-            return
-        quiet = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
-        failure: Optional[Exception] = None
-        # Joining: Ray's core kept off the terminal. Starting: not (Ray's processes would inherit the spool).
-        with _stderr_kept() if self.address else contextlib.nullcontext([""]) as logged:
-            try:
-                if self.address:
-                    ray.init(address=self.address, **quiet)
-                else:
-                    # "local": a new cluster, even where another runs on this machine (ray.init() would
-                    # join the last one started here, e.g. by `ray start` or a test's cluster). Its workers
-                    # at the normal priority, not Ray's niceness 15 (ray_node.normal_priority).
-                    ray.init(address="local", num_cpus=self.num_cpus, resources=local_resources(),
-                             _system_config={"worker_niceness": 0}, **quiet)
-            except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
-                failure = exc
-        if failure is None:
-            sys.stderr.write(logged[0])  # what Ray's core said while joining, as it would have
+        if join(self.address, self.num_cpus):
             self._owned = True
-            return
-        where = f"the Ray cluster at {self.address}" if self.address else "a local Ray cluster"
-        raise ClusterError(f"cannot join {where}: {str(failure).strip().splitlines()[0]}{_token_hint(logged[0])}")
-
-
-@contextlib.contextmanager
-def _stderr_kept() -> Iterator[list[str]]:
-    """What is written to this process's stderr (Ray's core writes to the descriptor) meanwhile,
-    as the list's one item after the block: a refused join logs a line a second for ~20 s before
-    ``ray.init`` raises, and the user should read one line that says why."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    got: list[str] = []
-    with tempfile.TemporaryFile() as spool:
-        os.dup2(spool.fileno(), 2)
-        try:
-            yield got
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            spool.seek(0)
-            got.append(spool.read().decode(errors="replace"))
-
-
-def _token_hint(logged: str) -> str:
-    """Why a join was refused, where Ray's core logged that the cluster refused this driver's token
-    (``ray.init`` itself says no more than "Failed to connect"). A cluster that ``ray start`` started
-    asks for one where the head has a token (any local ``ray.init`` makes one, in ~/.ray), and Ray
-    sends its token to an address named explicitly only in ``RAY_AUTH_MODE=token``: Ray's choice,
-    kept (a token goes only where the user says)."""
-    if "InvalidAuthToken" not in logged:
-        return ""
-    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
-        return ("; the cluster asks for its token (Ray's token authentication): set RAY_AUTH_MODE=token, with "
-                "the head's token (`ray get-auth-token` there) in ~/.ray/auth_token or RAY_AUTH_TOKEN")
-    return ("; the cluster refused this machine's token: use the head's (`ray get-auth-token` there), in "
-            "~/.ray/auth_token or RAY_AUTH_TOKEN")
-
-
-def _check_reachable(address: str) -> None:
-    if address == "auto" or "://" in address:
-        return  # ray.init resolves these itself
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ClusterError(f"--address {address}: expected HOST:PORT (the head node's GCS port, 6379 by default)")
-    try:
-        socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S).close()
-    except OSError as exc:
-        raise ClusterError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc} "
-                           f"(is `ray start --head` running there?)") from None
 
 
 def _units(tasks: Sequence["Task"], mixed: bool) -> list[_Work]:
