@@ -30,10 +30,18 @@ class Logged(NumpyBackend):
         with open(LOG, "a") as f:
             f.write(f"build {os.getpid()}\\n")
         return super().build(weights)
+
+
+class Sibling(Logged):
+    def build(self, weights):
+        with open(LOG, "a") as f:
+            f.write(f"sibling {os.getpid()}\\n")
+        return super().build(weights)
 '''
 
 
-def _run_repeats(tmp_path: Path, preloaders: Preloaders | None, repeats: int = 2) -> list[tuple[str, int]]:
+def _run_repeats(tmp_path: Path, preloaders: Preloaders | None, repeats: int = 2,
+                 target: str = "preload_plugin:Logged") -> list[tuple[str, int]]:
     (tmp_path / "preload_plugin.py").write_text(PLUGIN)
     log = tmp_path / "log.txt"
     w = W.load("mnist").with_overrides(limit=64, epochs=1)
@@ -41,7 +49,7 @@ def _run_repeats(tmp_path: Path, preloaders: Preloaders | None, repeats: int = 2
     env = launch.worker_environ(spec)
     env.update(PRELOAD_TEST_LOG=str(log), PYTHONPATH=os.pathsep.join([str(tmp_path), env["PYTHONPATH"]]))
     for repeat in range(1, repeats + 1):
-        job = make_job(tmp_path, w, "numpy", target="preload_plugin:Logged", repeat=repeat)
+        job = make_job(tmp_path, w, "numpy", target=target, repeat=repeat)
         cell = plan.Cell(w, plan.Choice("numpy", job.mode, job.precision), repeat, 1, 0)
         messages = launch.stream(cell, launch.python_for(spec), env, job, 120, preloaders=preloaders)
         rows = []
@@ -63,6 +71,16 @@ def test_preloaded_workers_import_once_and_each_repeat_is_its_own_process(tmp_pa
     assert len(imports) == 1, "the adapter (and so the framework) imported once, in the preloader"
     assert len(builds) == 3 and len(set(builds)) == 3, "a new process per repeat"
     assert imports[0] not in builds and os.getpid() not in builds
+
+
+def test_the_adapters_of_one_module_share_its_preloader_and_each_worker_runs_its_own(tmp_path: Path) -> None:
+    with Preloaders() as preloaders:
+        _run_repeats(tmp_path, preloaders, repeats=1)
+        log = _run_repeats(tmp_path, preloaders, repeats=1, target="preload_plugin:Sibling")
+        assert len(preloaders._servers) == 1
+    assert [kind for kind, _ in log] == ["import", "build", "sibling", "build"]
+    first, sibling = log[1][1], log[2][1]
+    assert len({log[0][1], first, sibling}) == 3, "one preloader, a process per cell"
 
 
 def test_without_preload_every_repeat_imports_in_its_own_interpreter(tmp_path: Path) -> None:

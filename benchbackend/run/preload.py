@@ -4,10 +4,10 @@ repeat, without paying the framework's import in every one.
 A cell's worker spent 1.2 s (torch) to 3.2 s (TensorFlow) starting Python and importing its
 framework, before anything was timed: a third of the quick start's wall time. The cells of a
 backend run in the same interpreter and environment, so one *preloader* per (interpreter,
-environment) imports the adapter once and forks a worker for each repeat. Each worker is still a new
-process: its own PID and process group, nothing executed in the framework before the fork (import
-only: no graph, no kernel, no thread pool of the framework's), the job on its own stdin, its
-protocol on its own stdout, exactly as ``python -m benchbackend.run.worker``.
+environment, adapter module) imports the adapter once and forks a worker for each repeat. Each
+worker is still a new process: its own PID and process group, nothing executed in the framework
+before the fork (import only: no graph, no kernel, no thread pool of the framework's), the job on
+its own stdin, its protocol on its own stdout, exactly as ``python -m benchbackend.run.worker``.
 
 Protocol, over a Unix socket pair: the parent sends ``run`` with the worker's stdin, stdout and
 stderr descriptors; the preloader forks, answers ``pid N`` once the worker leads its own process
@@ -49,7 +49,7 @@ class Forked:
 
 
 class Preloader:
-    """One preloader process for one (interpreter, environment); forks a worker per ``start``."""
+    """One preloader process for one (interpreter, environment, adapter module); forks a worker per ``start``."""
 
     def __init__(self, python: str, env: Mapping[str, str], target: str):
         self.sock, theirs = socket.socketpair()
@@ -120,9 +120,16 @@ class Preloader:
         self.proc.wait()
 
 
+def key(python: str, env: Mapping[str, str], target: str) -> tuple:
+    """What one preloader serves: an interpreter, an environment and the adapter's *module*. A
+    preloader only imports (``main``) and each worker loads its own job's class, so the adapters of
+    one module (a framework's classes, a test's planted variants of one) share one import."""
+    return python, target.partition(":")[0], tuple(sorted(env.items()))
+
+
 class Preloaders:
-    """The run's preloaders, started on first use, one per (interpreter, environment); ``close()``
-    (or leaving the ``with``) kills them."""
+    """The run's preloaders, started on first use, one per (interpreter, environment, adapter
+    module: :func:`key`); ``close()`` (or leaving the ``with``) kills them."""
 
     def __init__(self) -> None:
         self._servers: dict[tuple, Preloader] = {}
@@ -138,12 +145,12 @@ class Preloaders:
               timeout: Optional[float]) -> Forked:
         """A forked worker; ``OSError`` when this interpreter has no working preloader (the caller
         then starts a fresh interpreter), ``TimeoutError`` when the preloader's import hangs."""
-        key = (python, target, tuple(sorted(env.items())))
-        if key in self._broken:
+        served = key(python, env, target)
+        if served in self._broken:
             raise OSError("this interpreter has no working preloader")
-        server = self._servers.get(key)
+        server = self._servers.get(served)
         if server is None or not server.alive():
-            server = self._servers[key] = Preloader(python, env, target)
+            server = self._servers[served] = Preloader(python, env, target)
         try:
             return server.start(stderr, timeout)
         except TimeoutError:
@@ -151,7 +158,7 @@ class Preloaders:
         except OSError:
             # It died before forking (not a Python that runs benchbackend.run.preload, a crash on
             # import): the caller starts a fresh interpreter, here and for the rest of the run.
-            self._broken.add(key)
+            self._broken.add(served)
             server.close()
             raise
 

@@ -9,12 +9,12 @@ import tempfile
 import threading
 
 from benchbackend.backends.probe import worker_command
-from benchbackend.run.preload import Preloaders
+from benchbackend.run.preload import Preloaders, key
 
 
 class Forks:
     """The preloaded workers the suite's own worker processes come from, as a run's do
-    (``preload.Preloaders``): a framework is imported once per (interpreter, adapter, environment)
+    (``preload.Preloaders``): a framework is imported once per (interpreter, adapter module, environment)
     and each worker is forked from it, where a fresh ``python -m benchbackend.run.worker`` imported
     it every time (119 of the 217 core-seconds the suite's directly started workers used). The six
     most recently used preloaders are kept (a test's own environment makes one of its own)."""
@@ -26,9 +26,9 @@ class Forks:
 
     def start(self, python: str, env, target: str, stderr, timeout):
         env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}  # pytest's, a new value each test
-        key = (str(python), target, tuple(sorted(env.items())))
-        kept = self._kept.pop(key, None) or Preloaders()
-        self._kept[key] = kept  # the most recent last
+        served = key(str(python), env, target)
+        kept = self._kept.pop(served, None) or Preloaders()
+        self._kept[served] = kept  # the most recent last
         while len(self._kept) > self.MOST:
             self._kept.pop(next(iter(self._kept))).close()
         return kept.start(str(python), env, target, stderr, timeout)

@@ -10,6 +10,7 @@ as many comparison groups, which the Ray executor spreads over its nodes.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -58,23 +59,35 @@ NICENESS = 5
 @contextmanager
 def simulated_cluster(nodes: int, cpus_per_node: int = 1, env: Optional[dict[str, str]] = None) -> Iterator[Any]:
     """A local Ray cluster of ``nodes`` worker nodes (processes on this machine) behind a head that
-    takes no cells, joined by this process (its tasks and actors get ``env``); torn down after."""
+    takes no cells, joined by this process; torn down after. ``env`` is in this process's
+    environment while the cluster lives, so that every node started meanwhile (the head, these
+    nodes, those a test adds) and so every task and actor on it has it. Not a ``runtime_env``: with
+    one, Ray starts each worker through its runtime-environment agent and a setup process that
+    imports Ray before the worker imports it again (10 core-seconds of the suite's imports)."""
     import ray
     from ray.cluster_utils import Cluster
 
     config = {**FAST_DEATH, "worker_niceness": NICENESS}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                            "_system_config": config})
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
     try:
-        for _ in range(nodes):
-            cluster.add_node(num_cpus=cpus_per_node)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False,
-                 runtime_env={"env_vars": env} if env else None)
-        yield cluster
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                                "_system_config": config})
+        try:
+            for _ in range(nodes):
+                cluster.add_node(num_cpus=cpus_per_node)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def node_of(ray_worker_pid: int, cluster):
