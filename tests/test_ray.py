@@ -178,6 +178,23 @@ def test_a_cluster_that_asks_for_its_token_says_how_to_send_it(tmp_path):
         head.wait(60)
 
 
+def test_a_join_gives_the_gcs_a_few_tries_unless_the_user_set_rays_budget(monkeypatch):
+    """The refused join above waited out Ray's 20 tries of the head's GCS (one a second) before it
+    said why; the driver now gives a head that answers on its port ``JOIN_TRIES``, and a user's own
+    ``RAY_gcs_server_port_wait_time_s`` is left as it is."""
+    from benchbackend.run.executors import ray_join
+
+    name = ray_join._GCS_TRIES
+    monkeypatch.delenv(name, raising=False)
+    with ray_join._default_env(name, str(ray_join.JOIN_TRIES)):
+        assert os.environ[name] == str(ray_join.JOIN_TRIES) and ray_join.JOIN_TRIES < 20
+    assert name not in os.environ
+    monkeypatch.setenv(name, "60")
+    with ray_join._default_env(name, str(ray_join.JOIN_TRIES)):
+        assert os.environ[name] == "60"
+    assert os.environ[name] == "60"
+
+
 def test_cells_per_node_shares_a_node_cpus():
     from benchbackend.run.executors.ray import RayExecutor, _Session
 

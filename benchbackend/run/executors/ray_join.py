@@ -1,9 +1,11 @@
 """Joining a Ray cluster, or starting a local one, for the Ray executor (``RayExecutor.connect``).
 
 An ``--address`` is checked first (a closed port is one line at once; ``ray.init`` would retry for
-minutes). While a named cluster is joined, what Ray's core writes to stderr is kept off the
-terminal: a refused join logs a line a second for ~20 s before ``ray.init`` raises, and the user
-reads one line that says why; a join that succeeds writes it out as it was. A cluster that asks
+minutes). A port that answers is a head that is up, so the driver asks its GCS ``JOIN_TRIES``
+times, a second apart, not Ray's 20 (``RAY_gcs_server_port_wait_time_s``; the user's own value
+wins): a refused join said why after 20 s. While a named cluster is joined, what Ray's core writes
+to stderr is kept off the terminal: a refused join logs a line a second until ``ray.init`` raises,
+and the user reads one line that says why; a join that succeeds writes it out as it was. A cluster that asks
 for a token this driver did not send says what to set (``RAY_AUTH_MODE=token``). A local cluster
 gives its worker processes niceness 0, not Ray's 15 (``ray_node.normal_priority``).
 """
@@ -23,6 +25,9 @@ from ...errors import ClusterError
 from .ray_node import local_resources
 
 _CONNECT_TIMEOUT_S = 10.0
+#: Ray's own budget for a driver's connection to the GCS, in tries a second apart (its default: 20).
+_GCS_TRIES = "RAY_gcs_server_port_wait_time_s"
+JOIN_TRIES = 5
 
 
 def join(address: Optional[str], num_cpus: Optional[int]) -> bool:
@@ -39,7 +44,8 @@ def join(address: Optional[str], num_cpus: Optional[int]) -> bool:
     with _stderr_kept(keep=bool(address)) as logged:
         try:
             if address:
-                ray.init(address=address, **quiet)
+                with _default_env(_GCS_TRIES, str(JOIN_TRIES)):
+                    ray.init(address=address, **quiet)
             else:
                 # "local": a new cluster, even where another runs on this machine (ray.init() would
                 # join the last one started here, e.g. by `ray start` or a test's cluster).
@@ -52,6 +58,19 @@ def join(address: Optional[str], num_cpus: Optional[int]) -> bool:
         raise ClusterError(f"cannot join {where}: {str(failure).strip().splitlines()[0]}{_token_hint(logged.text)}")
     sys.stderr.write(logged.text)  # what Ray's core said while joining, as it would have
     return True
+
+
+@contextlib.contextmanager
+def _default_env(name: str, value: str) -> Iterator[None]:
+    """``name`` set to ``value`` meanwhile, unless the environment already sets it."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 class _Kept:
