@@ -34,10 +34,11 @@ def _tap(i: int, j: int, stride: int, ho: int, wo: int) -> tuple[slice, slice, s
             slice(j, j + stride * (wo - 1) + 1, stride), slice(None))
 
 
-def _gather(x: Array, k: int, stride: int, ho: int, wo: int, axis: int) -> Array:
-    """Every k x k window of ``x`` (NHWC), its k*k taps (row-major (i, j)) stacked on ``axis``."""
+def _gather(x: Array, k: int, stride: int, ho: int, wo: int) -> Array:
+    """Every k x k window of ``x`` (NHWC), its k*k taps (row-major (i, j)) stacked first:
+    (k*k, N, Ho, Wo, C), for reductions over the taps (pooling; a convolution's are :func:`_im2col`)."""
     xp = get_array_module(x)
-    return xp.stack([x[_tap(i, j, stride, ho, wo)] for i in range(k) for j in range(k)], axis=axis)
+    return xp.stack([x[_tap(i, j, stride, ho, wo)] for i in range(k) for j in range(k)])
 
 
 def _im2col(x: Array, k: int, stride: int, ho: int, wo: int) -> Array:
@@ -52,7 +53,7 @@ def _im2col(x: Array, k: int, stride: int, ho: int, wo: int) -> Array:
 
 
 def _scatter(taps: Array, shape: tuple[int, ...], k: int, stride: int) -> Array:
-    """Adjoint of ``_gather(axis=0)``: add each tap's values back where it was read (windows may overlap)."""
+    """Adjoint of ``_gather``: add each tap's values back where it was read (windows may overlap)."""
     xp = get_array_module(taps)
     _, _, ho, wo, _ = taps.shape
     out = xp.zeros(shape, taps.dtype)
@@ -118,7 +119,7 @@ def maxpool2d(x: Array, pool: int, stride: int, padding: Any = "valid") -> tuple
     if pt or pb or pl or pr:
         x = xp.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=-xp.inf)
     ho, wo = (x.shape[1] - pool) // stride + 1, (x.shape[2] - pool) // stride + 1
-    windows = _gather(x, pool, stride, ho, wo, axis=0)  # (p*p, N, Ho, Wo, C)
+    windows = _gather(x, pool, stride, ho, wo)  # (p*p, N, Ho, Wo, C)
     arg = windows.argmax(axis=0)
     return windows.max(axis=0), (arg, x.shape, pool, stride, (pt, pl), (h, w))
 

@@ -5,9 +5,9 @@ minutes). A port that answers is a head that is up, so the driver asks its GCS `
 times, a second apart, not Ray's 20 (``RAY_gcs_server_port_wait_time_s``; the user's own value
 wins): a refused join said why after 20 s. While a named cluster is joined, what Ray's core writes
 to stderr is kept off the terminal: a refused join logs a line a second until ``ray.init`` raises,
-and the user reads one line that says why; a join that succeeds writes it out as it was. A cluster that asks
-for a token this driver did not send says what to set (``RAY_AUTH_MODE=token``). A local cluster
-gives its worker processes niceness 0, not Ray's 15 (``ray_node.normal_priority``).
+and the user reads one line that says why; a join that succeeds writes it out as it was. A
+cluster that asks for a token this driver did not send says what to set (``RAY_AUTH_MODE=token``).
+A local cluster gives its worker processes niceness 0, not Ray's 15 (``ray_node.normal_priority``).
 """
 from __future__ import annotations
 
